@@ -1,0 +1,206 @@
+"""On-node environment: who am I in this job, and where is the rendezvous?
+
+:func:`derive` is a pure function from an environment mapping to a frozen :class:`NodeEnv`.
+Tests hand it dicts; nothing here reads ``os.environ`` except :func:`current`. The sources,
+in the order they are tried:
+
+``local``
+    workers started by ``python -m hpc_train run`` (``HPC_TRAIN_LAUNCHER=local``).
+``torchrun``
+    ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set by torchrun (also inside a Slurm job, for the
+    torchrun-per-node sbatch variant: torchrun's ranks win, Slurm's ids are kept).
+``slurm``
+    tasks started by ``srun`` (``SLURM_STEP_ID`` set). A batch script of several tasks that
+    runs Python without ``srun`` is an error that says so.
+``single``
+    a plain ``python`` process: rank 0 of 1.
+
+Must not import torch: ``python -m hpc_train env`` runs on login nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hpc_train.errors import UsageError
+
+# Derived ports live here; below 1024 is privileged, above ~60999 is the usual ephemeral range.
+PORT_BASE, PORT_SPAN = 20000, 40000
+# srun's batch step and extern step ids (Slurm prints them as "batch"/"extern" in some versions).
+_NON_SRUN_STEPS = {"4294967294", "4294967295", "4294967292", "batch", "extern"}
+
+
+@dataclass(frozen=True)
+class NodeEnv:
+    source: str                 # local | torchrun | slurm | single
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    hosts: tuple[str, ...]
+    job_id: str | None = None
+    restart_count: int = 0
+    array_job_id: str | None = None
+    array_task_id: str | None = None
+    node_name: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def requeue_target(self) -> str | None:
+        """What ``scontrol requeue`` must name: the array task, never the whole array."""
+        if self.array_job_id and self.array_task_id:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise UsageError(f"environment: {name} is not set; it is required here "
+                             f"(run `python -m hpc_train env` to see what was derived)")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"environment: {name} must be an integer, got {raw!r}") from None
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list (``gpu[001-004,010],login-a``) as a list of names."""
+    import hostlist  # python-hostlist: pure Python, handles several bracket groups and padding
+
+    try:
+        return hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist as e:
+        raise UsageError(f"environment: cannot parse the Slurm node list {nodelist!r}: {e}") from None
+
+
+def parse_tasks_per_node(spec: str) -> list[int]:
+    """``SLURM_TASKS_PER_NODE`` (``2(x3),1``) as one count per node."""
+    out: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise UsageError(f"environment: cannot parse SLURM_TASKS_PER_NODE={spec!r}")
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def derive_port(env: Mapping[str, str], job_id: str | None) -> int:
+    """The rendezvous port: same on every rank of a job, different across jobs.
+
+    ``MASTER_PORT`` wins, then the first of Slurm's reserved ports (``--resv-ports``), then a
+    port derived from the job id. Consecutive job ids get different ports (a modulus, not a
+    hash, so two jobs collide only 40000 ids apart); every array task has its own job id.
+    """
+    if env.get("MASTER_PORT"):
+        port = _int(env, "MASTER_PORT")
+        if not 1024 <= port <= 65535:
+            raise UsageError(f"environment: MASTER_PORT must be in 1024-65535, got {port}")
+        return port
+    resv = env.get("SLURM_STEP_RESV_PORTS")
+    if resv:
+        m = re.match(r"(\d+)", resv)
+        if m:
+            return int(m.group(1))
+    if job_id and job_id.isdigit():
+        return PORT_BASE + int(job_id) % PORT_SPAN
+    if job_id:  # non-numeric ids (never seen from Slurm, but be total)
+        return PORT_BASE + sum(map(ord, job_id)) * 7919 % PORT_SPAN
+    return 29500
+
+
+def _slurm_ids(env: Mapping[str, str]) -> dict:
+    return dict(
+        job_id=env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"),
+        restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+        array_job_id=env.get("SLURM_ARRAY_JOB_ID"),
+        array_task_id=env.get("SLURM_ARRAY_TASK_ID"),
+        node_name=env.get("SLURMD_NODENAME"),
+    )
+
+
+def _from_rank_vars(env: Mapping[str, str], source: str) -> NodeEnv:
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    local_rank = _int(env, "LOCAL_RANK", 0)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise UsageError(f"environment: inconsistent ranks RANK={rank} WORLD_SIZE={world} "
+                         f"LOCAL_RANK={local_rank} LOCAL_WORLD_SIZE={local_world}")
+    addr = env.get("MASTER_ADDR") or "127.0.0.1"
+    ids = _slurm_ids(env) if env.get("SLURM_JOB_ID") else {}
+    if source == "torchrun":
+        ids["restart_count"] = ids.get("restart_count", 0) or _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+    hosts = tuple(expand_hostlist(env["SLURM_JOB_NODELIST"])) if env.get("SLURM_JOB_NODELIST") else (addr,)
+    return NodeEnv(
+        source=source, rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
+        node_rank=_int(env, "GROUP_RANK", rank // local_world), num_nodes=max(1, world // local_world),
+        master_addr=addr, master_port=_int(env, "MASTER_PORT", 29500), hosts=hosts, **ids,
+    )
+
+
+def _from_slurm(env: Mapping[str, str]) -> NodeEnv:
+    ids = _slurm_ids(env)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise UsageError("environment: SLURM_JOB_NODELIST is not set; this does not look like an srun task "
+                         "(start it with `srun python -m hpc_train ...`)")
+    hosts = tuple(expand_hostlist(nodelist))
+    world = _int(env, "SLURM_STEP_NUM_TASKS", 0) or _int(env, "SLURM_NTASKS")
+    rank, local_rank = _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID")
+    node_rank = _int(env, "SLURM_NODEID")
+    per_node_spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    per_node = parse_tasks_per_node(per_node_spec) if per_node_spec else [world // max(len(hosts), 1)]
+    local_world = per_node[node_rank] if node_rank < len(per_node) else per_node[-1]
+    if not (0 <= rank < world and 0 <= local_rank < local_world):
+        raise UsageError(f"environment: inconsistent Slurm ranks SLURM_PROCID={rank} SLURM_NTASKS={world} "
+                         f"SLURM_LOCALID={local_rank} tasks on this node={local_world}")
+    return NodeEnv(
+        source="slurm", rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
+        node_rank=node_rank, num_nodes=len(hosts), master_addr=env.get("MASTER_ADDR") or hosts[0],
+        master_port=derive_port(env, ids["job_id"]), hosts=hosts, **ids,
+    )
+
+
+def derive(env: Mapping[str, str]) -> NodeEnv:
+    """Map an environment (``os.environ`` or a dict) to this process's place in the job."""
+    if env.get("HPC_TRAIN_LAUNCHER") == "local":
+        return _from_rank_vars(env, "local")
+    if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
+        return _from_rank_vars(env, "torchrun")
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_PROCID") is not None and step not in (None, *_NON_SRUN_STEPS):
+        return _from_slurm(env)
+    if env.get("SLURM_JOB_ID"):
+        ntasks = _int(env, "SLURM_NTASKS", 1)
+        if ntasks > 1:
+            raise UsageError(
+                f"environment: this Slurm allocation (job {env['SLURM_JOB_ID']}) has {ntasks} tasks but this "
+                f"process was not started by srun; run `srun python -m hpc_train ...` so that every task "
+                f"gets its rank (or use the script from `python -m hpc_train sbatch`)")
+        return NodeEnv(source="single", rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                       num_nodes=1, master_addr="127.0.0.1", master_port=derive_port(env, env["SLURM_JOB_ID"]),
+                       hosts=(env.get("SLURMD_NODENAME") or "localhost",), **_slurm_ids(env))
+    return NodeEnv(source="single", rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                   num_nodes=1, master_addr="127.0.0.1", master_port=derive_port(env, None),
+                   hosts=("localhost",))
+
+
+def current() -> NodeEnv:
+    return derive(os.environ)

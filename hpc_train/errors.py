@@ -1,0 +1,23 @@
+"""The one exception type the CLI turns into a clean usage error.
+
+Anything raised as :class:`UsageError` reaches the user as a single line on stderr and exit
+code 2, with no traceback. Everything else is a bug or a runtime failure and keeps its
+traceback. Keep this module free of heavy imports: the CLI imports it before anything else.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: a config key, a value, a flag, a path, an environment variable."""
+
+
+def closest(word: str, choices: Iterable[str]) -> str:
+    """A ``; did you mean 'x'?`` suffix for ``word`` among ``choices``, or ``""``."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else ""

@@ -1,0 +1,123 @@
+"""``python -m hpc_train run``: N worker processes on this machine, no Slurm.
+
+Each worker is ``python -m hpc_train worker`` with torchrun-style variables plus
+``HPC_TRAIN_LAUNCHER=local``, so it takes exactly the on-node path of a Slurm task.
+
+Signals: workers run in their own session, so a terminal's Ctrl-C reaches only this process,
+which decides what they get. The first Ctrl-C (or a SIGTERM) is forwarded as SIGTERM: every
+rank finishes its step, saves, and exits. A second Ctrl-C kills them at once.
+
+Failure: when one worker exits non-zero, the others are stopped (SIGTERM, then SIGKILL after a
+grace period) and the first failure is shown with its error and log path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GRACE_S = 30.0   # after a failure, how long the surviving ranks get to exit before SIGKILL
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(nproc: int, config_path: Path, run_dir: Path) -> list[subprocess.Popen]:
+    port = int(os.environ.get("MASTER_PORT") or free_port())
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, HPC_TRAIN_LAUNCHER="local", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+        # Slurm variables would make a worker think it is a Slurm task of some other job.
+        for k in [k for k in env if k.startswith("SLURM_")]:
+            del env[k]
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hpc_train", "worker", "--config", str(config_path), "--run-dir", str(run_dir)],
+            env=env, start_new_session=True))
+    return procs
+
+
+def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _first_error(run_dir: Path, rank: int) -> str:
+    err = run_dir / "logs" / f"rank-{rank}.error"
+    if err.exists():
+        return err.read_text().splitlines()[0]
+    return f"no error recorded; see {run_dir / 'logs' / f'rank-{rank}.log'}"
+
+
+def launch(nproc: int, config_path: Path, run_dir: Path) -> int:
+    """Start, supervise and reap the workers. Returns the exit code for the CLI."""
+    for stale in (run_dir / "logs").glob("rank-*.error"):
+        stale.unlink()
+    procs = _spawn(nproc, config_path, run_dir)
+    interrupts = {"n": 0, "sig": 0}
+
+    def on_signal(signum: int, frame: object) -> None:
+        interrupts["n"] += 1
+        interrupts["sig"] = interrupts["sig"] or signum
+        if interrupts["n"] == 1:
+            print(f"\nhpc_train: {signal.Signals(signum).name}: asking every rank to stop after its "
+                  f"current step (press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+            _signal_all(procs, signal.SIGTERM)
+        else:
+            _signal_all(procs, signal.SIGKILL)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        failed: tuple[int, int] | None = None
+        deadline = None
+        while any(p.poll() is None for p in procs):
+            if failed is None:
+                for rank, p in enumerate(procs):
+                    if p.returncode not in (None, 0):
+                        failed = (rank, p.returncode)
+                        _signal_all(procs, signal.SIGTERM)
+                        deadline = time.monotonic() + GRACE_S
+                        break
+            if deadline is not None and time.monotonic() > deadline:
+                _signal_all(procs, signal.SIGKILL)
+            time.sleep(0.05)
+        if failed is None:
+            for rank, p in enumerate(procs):
+                if p.returncode != 0:
+                    failed = (rank, p.returncode)
+                    break
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if interrupts["n"] > 1:
+        print("hpc_train: aborted; workers killed", file=sys.stderr)
+        return 130
+    if failed is not None and not interrupts["n"]:
+        rank, code = failed
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        print(f"hpc_train: worker rank {rank} failed ({how}): {_first_error(run_dir, rank)}\n"
+              f"hpc_train: full log: {run_dir / 'logs' / f'rank-{rank}.log'}", file=sys.stderr)
+        return 1
+    if interrupts["n"]:
+        stopped = run_dir / "stopped.json"
+        if failed is None and stopped.exists():
+            import json
+            step = json.loads(stopped.read_text()).get("step")
+            saved = (run_dir / "checkpoints" / f"step-{step}").exists()
+            what = "checkpoint saved" if saved else "stopped"
+            print(f"hpc_train: {what} at step {step}; run the same command to resume", file=sys.stderr)
+        return 128 + interrupts["sig"]
+    return 0

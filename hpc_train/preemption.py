@@ -1,0 +1,60 @@
+"""Stop requests: signal handlers that only record, and an agreement at each step boundary.
+
+The handler never saves, logs through locks, or raises (Lightning wrote its checkpoint inside
+the handler and sometimes never finished; its exception reached only some DDP ranks and the
+job deadlocked). It sets a flag. At each step boundary the trainer folds the flag into one
+small all-reduce it already makes for its metrics, so every rank learns that *some* rank was
+asked to stop, in the same step, and all of them save and exit together.
+
+Signals: SIGTERM (what a preemption without a user signal and the time limit send, and what
+``run`` forwards on Ctrl-C), SIGINT, and the job's ``--signal`` (default USR2: NCCL may catch
+USR1). submitit installs its own USR2/TERM handlers in its worker (rank-0-only checkpoint,
+then exit); :func:`install` replaces them, so submitit's cannot cut in before ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+log = logging.getLogger("hpc_train")
+
+
+class StopRequest:
+    """Records which signal asked this process to stop, and when."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.received_at: float | None = None
+        self.count = 0
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "none"
+
+    def _handler(self, signum: int, frame: object) -> None:
+        # Async-signal context: assign and return. No I/O, no locks, no raising.
+        self.count += 1
+        if self.signum is None:
+            self.signum, self.received_at = signum, time.time()
+
+    def install(self, signals: list[str]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not on the main thread; stop signals are not handled")
+            return
+        for name in dict.fromkeys(signals):
+            signal.signal(getattr(signal, f"SIG{name}"), self._handler)
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Ask for a stop from code (tests, a user's callback): same path as a signal."""
+        self._handler(signum, None)
+
+
+def stop_signals(job_signal: str) -> list[str]:
+    return ["TERM", "INT", job_signal]

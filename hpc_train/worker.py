@@ -1,0 +1,107 @@
+"""The on-node path: every task of every launcher ends here.
+
+``run`` (local processes), ``submit`` (submitit's srun tasks) and the rendered sbatch script
+(``srun python -m hpc_train worker ...``) all call :func:`run_worker`: environment from the
+variables the launcher set -> process group -> trainer (or the user's function) -> teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hpc_train import config as config_mod
+from hpc_train import environment
+from hpc_train.config import Config
+from hpc_train.errors import UsageError
+from hpc_train.monitor import setup_logging
+
+log = logging.getLogger("hpc_train")
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+
+
+def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Run this process's share of the job; returns the run's result (same on every rank)."""
+    if isinstance(cfg, dict):
+        cfg = config_mod.from_dict(cfg)
+    rd = Path(run_dir) if run_dir else cfg.resolved_run_dir()
+    env = environment.current()
+    setup_logging(env.rank, rd, cfg.log.level)
+    try:
+        return _run(cfg, env, rd)
+    except BaseException as e:
+        # A one-file summary the launcher shows when this rank dies (like torchelastic's error file).
+        (rd / "logs").mkdir(parents=True, exist_ok=True)
+        (rd / "logs" / f"rank-{env.rank}.error").write_text(
+            f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        if not isinstance(e, (KeyboardInterrupt, UsageError)):
+            log.error("rank %d failed:\n%s", env.rank, traceback.format_exc())
+        raise
+
+
+def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
+    import torch  # noqa: F401 - heavy; imported only on the training path
+
+    from hpc_train import distributed
+    from hpc_train.preemption import StopRequest, stop_signals
+
+    stop = StopRequest()
+    stop.install(stop_signals(cfg.job.signal))
+    log.info("on-node environment: source=%s rank %d/%d local %d/%d node %d/%d host %s job %s restart %d",
+             env.source, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
+             env.num_nodes, env.node_name or os.uname().nodename, env.job_id, env.restart_count)
+    device = distributed.init(env, cfg.dist)
+    trainer = None
+    try:
+        if cfg.train.fn:
+            from hpc_train.plugins import resolve
+            result = resolve(cfg.train.fn, "train.fn")(cfg, env, device) or {}
+            if not isinstance(result, dict):
+                result = {"result": result}
+        else:
+            from hpc_train.trainer import Trainer
+            trainer = Trainer(cfg, env, device, rd, stop)
+            result = trainer.fit()
+        result.update(world_size=env.world_size)
+        if env.is_main:
+            if result.get("stopped"):
+                write_json_atomic(rd / "stopped.json", result)
+                log.info("stopped by SIG%s at step %d", result.get("stop_signal"), result.get("step", -1))
+            else:
+                write_json_atomic(rd / "result.json", result)
+                if "last_eval_acc" in result:
+                    log.info("done: %d steps, %d epochs, test accuracy %.4f, final train loss %.4f, %.1fs",
+                             result["step"], result["epoch"], result["last_eval_acc"], result["last_loss"],
+                             result["train_time_s"])
+                log.info("TensorBoard logs: tensorboard --logdir %s", rd / "tb")
+        return result
+    finally:
+        del trainer  # the DDP reducer must go before the group (see distributed.shutdown)
+        distributed.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpc_train worker --config RUN_DIR/config.yaml``: one task's entry point."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m hpc_train worker")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-dir")
+    args = ap.parse_args(argv)
+    cfg = config_mod.load(args.config)
+    result = run_worker(cfg, args.run_dir or os.path.dirname(os.path.abspath(args.config)))
+    return 0 if not result.get("stopped") else int(os.environ.get("HPC_TRAIN_STOPPED_EXIT", "0"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
