@@ -21,6 +21,31 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="where logs, metrics and checkpoints go (default: runs/<job.name>)")
 
 
+def _add_resume_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resume", default="latest", metavar="latest|none|PATH",
+                   help="latest: continue from the newest complete checkpoint in the run directory (default); "
+                        "none: start from scratch (refused if checkpoints exist); PATH: a checkpoint directory")
+
+
+def _add_resource_args(p: argparse.ArgumentParser) -> None:
+    """Scheduler flags; each is a --set job.<key> under another name (the command line wins)."""
+    g = p.add_argument_group("resources (override the config's job section)")
+    for flag, typ, helptext in (
+            ("--nodes", int, "nodes"), ("--tasks-per-node", int, "tasks per node (default: GPUs per node, else 1)"),
+            ("--gpus-per-node", int, "GPUs per node"), ("--cpus-per-task", int, "CPUs per task"),
+            ("--mem", str, "memory per node, e.g. 16G"), ("--time", str, "time limit, e.g. 01:30:00"),
+            ("--partition", str, "partition"), ("--account", str, "account"), ("--qos", str, "QOS"),
+            ("--constraint", str, "node features"), ("--signal-lead", int, "seconds before the time limit "
+                                                      "that the stop signal is sent (default 90)"),
+            ("--job-name", str, "job name")):
+        g.add_argument(flag, type=typ, default=None, help=helptext)
+    g.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
+
+
+RESOURCE_KEYS = ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem", "time", "partition",
+                 "account", "qos", "constraint", "signal_lead", "exclusive")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m hpc_train",
                  description="Take a PyTorch training job from a laptop to a multi-node Slurm cluster.")
@@ -29,6 +54,41 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train on this machine with N local processes (no Slurm)")
     _add_config_args(p)
     p.add_argument("--nproc", type=int, default=1, help="worker processes (default 1)")
+    _add_resume_arg(p)
+
+    for name, helptext in (("submit", "submit the job to Slurm through submitit"),
+                           ("sbatch", "render a standalone sbatch script (submit it yourself)")):
+        p = sub.add_parser(name, help=helptext)
+        _add_config_args(p)
+        _add_resource_args(p)
+        if name == "submit":
+            p.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
+            p.add_argument("--wait", action="store_true", help="block until the job ends; exit code follows it")
+            _add_resume_arg(p)
+        else:
+            p.add_argument("-o", "--output", help="write the script here instead of stdout")
+            p.add_argument("--launcher", choices=("srun", "torchrun"), default="srun",
+                           help="srun: one task per GPU/CPU slot (default); torchrun: one torchrun per node")
+
+    p = sub.add_parser("status", help="state, nodes, restarts, last step and loss of a run or job")
+    p.add_argument("target", nargs="?", default=None, help="RUN_DIR or JOB_ID (default: runs/*)")
+    p = sub.add_parser("logs", help="show (or follow) a run's per-rank log")
+    p.add_argument("target", help="RUN_DIR or JOB_ID")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("-f", "--follow", action="store_true")
+    p = sub.add_parser("cancel", help="cancel a run's Slurm job")
+    p.add_argument("target", help="RUN_DIR or JOB_ID")
+
+    p = sub.add_parser("ckpt", help="list, verify or export checkpoints")
+    ck = p.add_subparsers(dest="ckpt_command", metavar="ACTION", parser_class=_Parser, required=True)
+    c = ck.add_parser("list", help="step, time, size, completeness, world size")
+    c.add_argument("run_dir")
+    c = ck.add_parser("verify", help="check every checkpoint's files against its commit record")
+    c.add_argument("run_dir")
+    c = ck.add_parser("export", help="a consolidated model state_dict for torch.load(weights_only=True)")
+    c.add_argument("run_dir")
+    c.add_argument("out")
+    c.add_argument("--step", type=int, default=None, help="default: the newest complete checkpoint")
 
     p = sub.add_parser("config", help="print the resolved config without running anything")
     _add_config_args(p)
@@ -44,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace):
     from hpc_train import config
-    extra = {"run_dir": args.run_dir} if getattr(args, "run_dir", None) else None
+    extra: dict = {"run_dir": args.run_dir} if getattr(args, "run_dir", None) else {}
+    job = {k: getattr(args, k) for k in RESOURCE_KEYS if getattr(args, k, None) is not None}
+    if getattr(args, "job_name", None) is not None:
+        job["name"] = args.job_name
+    if job:
+        extra["job"] = job
     return config.load(args.config, args.overrides, extra)
 
 
@@ -81,10 +146,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_plugins(cfg)
     run_dir = cfg.resolved_run_dir().absolute()
     cfg.run_dir = str(run_dir)
+    from hpc_train import resume
+    plan = resume.plan(run_dir, args.resume, cfg)   # refuses bad resumes before anything is written
+    if plan.finished:
+        print(f"hpc_train: {run_dir} holds a finished run ({run_dir / 'result.json'}); nothing to do. "
+              f"Use another --run-dir to train again.", file=sys.stderr)
+        return 0
     path = config_mod.write(cfg, run_dir)
-    print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''})",
-          file=sys.stderr)
-    return launch.launch(args.nproc, path, run_dir)
+    print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
+          f"{plan.describe()}", file=sys.stderr)
+    return launch.launch(args.nproc, path, run_dir, resume=plan.env_value())
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -92,7 +163,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return worker.main(["--config", args.config] + (["--run-dir", args.run_dir] if args.run_dir else []))
 
 
-COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_worker}
+def _lazy(target: str):
+    """A handler that lives in another module, imported only when its command runs."""
+    def handler(args: argparse.Namespace) -> int:
+        import importlib
+        module, fn = target.split(":")
+        return getattr(importlib.import_module(module), fn)(args)
+    return handler
+
+
+COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_worker,
+            "submit": _lazy("hpc_train.submit:cmd_submit"), "sbatch": _lazy("hpc_train.sbatch:cmd_sbatch"),
+            "status": _lazy("hpc_train.jobs:cmd_status"), "logs": _lazy("hpc_train.jobs:cmd_logs"),
+            "cancel": _lazy("hpc_train.jobs:cmd_cancel"), "ckpt": _lazy("hpc_train.ckpt_cli:cmd_ckpt")}
 
 
 def main(argv: list[str] | None = None) -> int:

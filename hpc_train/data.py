@@ -106,6 +106,18 @@ def build(cfg: DataSection, seed: int) -> tuple[Dataset, Dataset]:
     return result
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Data-loader processes leave stop signals to the trainer process.
+
+    Slurm signals every process of a step, and a worker killed by SIGTERM/USR2 takes the
+    training process down with "DataLoader worker is killed by signal" before it can save.
+    Workers exit by themselves when their parent goes away.
+    """
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def loader(ds: Dataset, sampler: Any, batch_size: int, num_workers: int, seed: int, drop_last: bool):
     """A ``StatefulDataLoader`` with its own generator, so worker seeds do not depend on when
     the global RNG was last touched (one of the conditions for a bitwise resume)."""
@@ -113,4 +125,5 @@ def loader(ds: Dataset, sampler: Any, batch_size: int, num_workers: int, seed: i
 
     return StatefulDataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                               drop_last=drop_last, generator=torch.Generator().manual_seed(seed),
-                              persistent_workers=False, pin_memory=torch.cuda.is_available())
+                              persistent_workers=False, pin_memory=torch.cuda.is_available(),
+                              worker_init_fn=_ignore_stop_signals if num_workers else None)

@@ -30,13 +30,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(nproc: int, config_path: Path, run_dir: Path) -> list[subprocess.Popen]:
+def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str) -> list[subprocess.Popen]:
     port = int(os.environ.get("MASTER_PORT") or free_port())
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, HPC_TRAIN_LAUNCHER="local", RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
+                   HPC_TRAIN_RESUME=resume)
         # Slurm variables would make a worker think it is a Slurm task of some other job.
         for k in [k for k in env if k.startswith("SLURM_")]:
             del env[k]
@@ -47,10 +48,12 @@ def _spawn(nproc: int, config_path: Path, run_dir: Path) -> list[subprocess.Pope
 
 
 def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
+    """SIGTERM goes to the worker only (it stops its loader's processes itself); SIGKILL goes
+    to its whole process group, so no data-loader process is left behind."""
     for p in procs:
         if p.poll() is None:
             try:
-                os.killpg(p.pid, sig)
+                os.killpg(p.pid, sig) if sig == signal.SIGKILL else os.kill(p.pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -62,11 +65,11 @@ def _first_error(run_dir: Path, rank: int) -> str:
     return f"no error recorded; see {run_dir / 'logs' / f'rank-{rank}.log'}"
 
 
-def launch(nproc: int, config_path: Path, run_dir: Path) -> int:
+def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest") -> int:
     """Start, supervise and reap the workers. Returns the exit code for the CLI."""
     for stale in (run_dir / "logs").glob("rank-*.error"):
         stale.unlink()
-    procs = _spawn(nproc, config_path, run_dir)
+    procs = _spawn(nproc, config_path, run_dir, resume)
     interrupts = {"n": 0, "sig": 0}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -115,7 +118,7 @@ def launch(nproc: int, config_path: Path, run_dir: Path) -> int:
         stopped = run_dir / "stopped.json"
         if failed is None and stopped.exists():
             import json
-            step = json.loads(stopped.read_text()).get("step")
+            step = json.loads(stopped.read_text()).get("steps")
             saved = (run_dir / "checkpoints" / f"step-{step}").exists()
             what = "checkpoint saved" if saved else "stopped"
             print(f"hpc_train: {what} at step {step}; run the same command to resume", file=sys.stderr)

@@ -124,6 +124,7 @@ class Trainer:
         self.criterion = nn.CrossEntropyLoss()
         seed_everything(cfg.seed + 1000003 * (env.rank + 1))
         self._pending_rng: dict[str, Any] | None = None
+        self._skip_batches = 0
         self.checkpointer = None  # set by hpc_train.checkpoint.attach
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
@@ -158,18 +159,34 @@ class Trainer:
         return torch.stack([loss.detach() * y.numel(), correct.float(), torch.tensor(float(y.numel()),
                                                                                        device=x.device)])
 
-    def _agree(self, stats: torch.Tensor) -> tuple[bool, torch.Tensor]:
-        """One all-reduce per step: metrics summed, and whether any rank was asked to stop."""
-        flag = torch.tensor([1.0 if self.stop.requested else 0.0], device=stats.device)
-        buf = torch.cat([flag, stats])
+    def _agree(self, stats: torch.Tensor) -> tuple[bool, bool, torch.Tensor]:
+        """One all-reduce per step: the metrics summed, whether any rank was asked to stop, and
+        whether any rank's clock says a timed checkpoint is due (clocks differ; ranks must not)."""
+        timed = self.checkpointer is not None and self.checkpointer.due_by_time()
+        flags = torch.tensor([float(self.stop.requested), float(timed)], device=stats.device)
+        buf = torch.cat([flags, stats])
         if dist.is_initialized() and self.env.world_size > 1:
             dist.all_reduce(buf)
         buf = buf.cpu()
-        return bool(buf[0] > 0), buf[1:]
+        return bool(buf[0] > 0), bool(buf[1] > 0), buf[2:]
+
+    def reshard_progress(self, saved_world: int) -> None:
+        """Resuming at another world size: continue after the same number of samples.
+
+        DistributedSampler hands rank r the permutation's elements r, r+W, ...; after b batches
+        per rank at world W the first b*B*W samples are consumed, at any W. So skipping
+        b*W/W' batches at the new world W' continues with exactly the unseen samples.
+        """
+        p, b = self.progress, self.cfg.data.batch_size
+        per_rank = p.batch_in_epoch * b * saved_world // (b * self.env.world_size)
+        per_rank -= per_rank % self.cfg.optim.grad_accum
+        p.batch_in_epoch = min(per_rank, self.batches_per_epoch)
+        self._skip_batches = p.batch_in_epoch
 
     def fit(self) -> dict[str, Any]:
         cfg, p = self.cfg, self.progress
         world = self.env.world_size
+        self.t_start = time.time()
         global_batch = cfg.data.batch_size * world * cfg.optim.grad_accum
         log.info("model %s (%.2fM parameters), data %s: %d train batches/rank/epoch, %d steps/epoch",
                  cfg.model.name, sum(t.numel() for t in self.model.parameters()) / 1e6, cfg.data.name,
@@ -188,6 +205,9 @@ class Trainer:
                 self.loader.generator.manual_seed(cfg.seed + 7919 * self.env.rank + 104729 * p.epoch)
                 self.net.train()
                 it = iter(self.loader)
+                for _ in range(self._skip_batches):
+                    next(it)
+                self._skip_batches = 0
                 if self._pending_rng is not None:
                     set_rng_state(self._pending_rng)
                     self._pending_rng = None
@@ -208,7 +228,7 @@ class Trainer:
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     p.step += 1
-                    stopped, tot = self._agree(acc_stats)
+                    stopped, timed, tot = self._agree(acc_stats)
                     acc_stats = None
                     p.samples_seen += int(tot[2])
                     p.train_time_s += time.perf_counter() - t_step
@@ -223,7 +243,7 @@ class Trainer:
                                                "lr": self.scheduler.get_last_lr()[0],
                                                **({"samples_per_s": sps} if log_now else {})}, log_now)
                     if self.checkpointer is not None:
-                        self.checkpointer.after_step(self, force=stopped)
+                        self.checkpointer.after_step(self, force=stopped, timed=timed)
                     if stopped:
                         break
                 if stopped:
@@ -245,12 +265,30 @@ class Trainer:
             mon.close()
             if self.checkpointer is not None:
                 self.checkpointer.close()
-        return {"stopped": stopped, "stop_signal": self.stop.name if stopped else None, **asdict(p),
+        return {"stopped": stopped, "stop_signal": self.stop.name if stopped else None,
+                "train_loss": p.last_loss, "test_accuracy": p.last_eval_acc, "test_loss": p.last_eval_loss,
+                "steps": p.step, "epochs": p.epoch, "wall_seconds": time.time() - self.t_start,
                 "world_size": world, "effective_batch_size": global_batch, "total_steps": self.total_steps,
-                "tb_dir": str(self.run_dir / "tb")}
+                "tb_dir": str(self.run_dir / "tb"), "progress": asdict(p),
+                "checkpoint_saves": self.checkpointer.stats if self.checkpointer else []}
+
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Give every rank rank 0's buffers (BatchNorm statistics).
+
+        DDP broadcasts rank 0's buffers at the start of every training forward, so rank 0's are
+        the canonical ones and other ranks' copies are overwritten before training reads them.
+        Syncing before a save makes the replicated tensors truly equal (DCP writes each one from
+        whichever rank it picks), and before eval makes every rank evaluate the same model.
+        Training is unchanged by it, which the exact-resume test checks.
+        """
+        if self.ddp:
+            for buf in self.model.buffers():
+                dist.broadcast(buf, 0)
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
+        self.sync_buffers()
         self.net.eval()
         stats = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in self.test_loader:

@@ -71,23 +71,52 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
         else:
             from hpc_train.trainer import Trainer
             trainer = Trainer(cfg, env, device, rd, stop)
+            _resume(trainer, cfg, env, rd)
             result = trainer.fit()
         result.update(world_size=env.world_size)
         if env.is_main:
             if result.get("stopped"):
                 write_json_atomic(rd / "stopped.json", result)
-                log.info("stopped by SIG%s at step %d", result.get("stop_signal"), result.get("step", -1))
+                saved = cfg.checkpoint.enabled and not cfg.train.fn
+                log.info("%s by %s at step %d", "checkpoint saved" if saved else "stopped",
+                         result.get("stop_signal"), result.get("steps", -1))
             else:
                 write_json_atomic(rd / "result.json", result)
-                if "last_eval_acc" in result:
+                if "test_accuracy" in result:
                     log.info("done: %d steps, %d epochs, test accuracy %.4f, final train loss %.4f, %.1fs",
-                             result["step"], result["epoch"], result["last_eval_acc"], result["last_loss"],
-                             result["train_time_s"])
+                             result["steps"], result["epochs"], result["test_accuracy"], result["train_loss"],
+                             result["wall_seconds"])
+                (rd / "stopped.json").unlink(missing_ok=True)
                 log.info("TensorBoard logs: tensorboard --logdir %s", rd / "tb")
         return result
     finally:
         del trainer  # the DDP reducer must go before the group (see distributed.shutdown)
         distributed.shutdown()
+
+
+def _resume(trainer, cfg: Config, env: environment.NodeEnv, rd: Path) -> None:
+    """Attach the checkpointer and load what :func:`hpc_train.resume.plan` picks.
+
+    Every rank decides on its own from the same files, then the choice is checked to be the
+    same everywhere (a rank that saw another directory state would otherwise load other weights).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from hpc_train import checkpoint, resume
+    spec = os.environ.get("HPC_TRAIN_RESUME", "latest")
+    plan = resume.plan(rd, "latest" if spec == "none" else spec, cfg, warn=log.warning)
+    step = plan.source.step if plan.source else -1
+    if dist.is_initialized() and env.world_size > 1:
+        t = torch.tensor([step, -step], dtype=torch.float64, device=trainer.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) != step or int(-t[1]) != step:
+            raise checkpoint.CheckpointError(f"ranks disagree on the checkpoint to resume (rank {env.rank}: "
+                                             f"step {step}); is {rd} on a filesystem every node sees?")
+    if plan.source is not None:
+        checkpoint.load(trainer, plan.source.path, env.world_size)
+    if cfg.checkpoint.enabled:
+        trainer.checkpointer = checkpoint.Checkpointer(cfg, rd, env.rank, env.world_size)
 
 
 def main(argv: list[str] | None = None) -> int:

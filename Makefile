@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+RUN_DIR ?= runs/digits-$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: run test venv bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+venv: $(STAMP)
+
+# The main job: the MNIST ConvNet on real handwritten digits, 2 local processes, gloo.
+run: $(STAMP)
+	$(BIN)/python -m hpc_train run jobs/digits.yaml --nproc 2 --run-dir $(RUN_DIR)
+
+# Every test. Slurm tests start the project's own local cluster (slurm/devcluster.sh, root
+# needed) and stop it when done; with CI=true they must run, not skip.
+test: $(STAMP)
+	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
