@@ -48,11 +48,19 @@ class CheckpointError(RuntimeError):
 
 # -- safe loading --------------------------------------------------------------------------
 class _MetadataUnpickler(pickle.Unpickler):
+    # Exact (module, name) pairs only. A module prefix is not enough: with pickle protocol 4 a
+    # dotted name resolves attribute by attribute, so ("torch.distributed.checkpoint.filesystem",
+    # "os.system") would reach os.system; and DCP's modules hold callables that write files or
+    # call torch.load(weights_only=False) (tests/test_ckpt_cli.py crafts such a .metadata).
     _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+                ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                *(("torch.distributed.checkpoint.metadata", n) for n in (
+                    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                    "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self._ALLOWED:
+        if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

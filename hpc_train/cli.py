@@ -137,6 +137,14 @@ def check_plugins(cfg) -> None:
             resolve(value, field)
 
 
+def check_plugins_light(cfg) -> None:
+    """For commands that must not import torch: the plug-in modules exist (not imported)."""
+    from hpc_train.plugins import check_findable
+    for field, value in (("model.name", cfg.model.name), ("data.name", cfg.data.name), ("train.fn", cfg.train.fn)):
+        if value and ":" in value:
+            check_findable(value, field)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from hpc_train import config as config_mod
     from hpc_train import launch

@@ -185,9 +185,12 @@ def _coerce(path: str, f: dataclasses.Field, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise UsageError(f"config: {path} must be a string, got {value!r}")
         value = str(value)
+        if any(c in value for c in "\n\r\0"):
+            # Values end up on #SBATCH lines, where a newline would start a shell command.
+            raise UsageError(f"config: {path} must be a single line, got {value!r}")
     elif kind == "list":
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise UsageError(f"config: {path} must be a list of strings, got {value!r}")
+        if not isinstance(value, list) or not all(isinstance(v, str) and "\n" not in v for v in value):
+            raise UsageError(f"config: {path} must be a list of single-line strings, got {value!r}")
     if m.get("min") is not None and value < m["min"]:
         raise UsageError(f"config: {path} must be >= {m['min']:g}, got {value!r}")
     if m.get("max") is not None and value > m["max"]:
@@ -273,6 +276,8 @@ def validate(cfg: Config) -> Config:
     if cfg.train.epochs == 0 and cfg.train.max_steps == 0:
         raise UsageError("config: train.epochs and train.max_steps are both 0, so there is nothing to train; "
                          "set train.epochs >= 1 or train.max_steps >= 1")
+    from hpc_train.scheduler import time_minutes
+    time_minutes(cfg.job.time)   # a malformed job.time fails here, not at submission
     if cfg.train.fn and not _IMPORT_RE.match(cfg.train.fn):
         raise UsageError(f"config: train.fn must be an import path 'package.module:function', got {cfg.train.fn!r}")
     return cfg

@@ -64,7 +64,7 @@ def _store(env: NodeEnv, timeout: timedelta) -> dist.Store:
             f"'{env.master_addr}' resolves and is reachable from this node (set MASTER_ADDR to a routable "
             f"name or address), and that port {env.master_port} is free and not firewalled (set MASTER_PORT)")
     try:
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0 and not env.agent_store,
                              timeout=timeout, wait_for_workers=False, use_libuv=True)
     except (RuntimeError, OSError, socket.gaierror) as e:
         raise RendezvousError(f"{hint}. Underlying error: {str(e).splitlines()[0]}") from None

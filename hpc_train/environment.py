@@ -52,6 +52,7 @@ class NodeEnv:
     array_job_id: str | None = None
     array_task_id: str | None = None
     node_name: str | None = None
+    agent_store: bool = False   # torchrun's agent hosts the rendezvous store; workers only join it
 
     @property
     def is_main(self) -> bool:
@@ -147,6 +148,7 @@ def _from_rank_vars(env: Mapping[str, str], source: str) -> NodeEnv:
     ids = _slurm_ids(env) if env.get("SLURM_JOB_ID") else {}
     if source == "torchrun":
         ids["restart_count"] = ids.get("restart_count", 0) or _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+        ids["agent_store"] = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     hosts = tuple(expand_hostlist(env["SLURM_JOB_NODELIST"])) if env.get("SLURM_JOB_NODELIST") else (addr,)
     return NodeEnv(
         source=source, rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,

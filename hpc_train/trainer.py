@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -126,6 +128,9 @@ class Trainer:
         self._pending_rng: dict[str, Any] | None = None
         self._skip_batches = 0
         self.checkpointer = None  # set by hpc_train.checkpoint.attach
+        # TEST HOOK (tests/test_checkpoint_exact.py), see fit(): HPC_TRAIN_TEST_STOP_AT_STEP="K" or "K:M".
+        k, _, m = os.environ.get("HPC_TRAIN_TEST_STOP_AT_STEP", "").partition(":")
+        self._test_stop = (int(k), int(m or cfg.optim.grad_accum)) if k and env.rank == 0 else None
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         o, params = self.cfg.optim, self.model.parameters()
@@ -219,6 +224,14 @@ class Trainer:
                     p.batch_in_epoch += 1
                     sync = p.batch_in_epoch % cfg.optim.grad_accum == 0
                     s = self._micro_step(x, y, sync)
+                    # TEST HOOK: after micro-batch M (default: the last) of step K, rank 0 sends a real SIGTERM to
+                    # the `run` launcher and waits (<= 30 s) for the forwarded one, so the stop lands at step K.
+                    if self._test_stop == (p.step + 1, (p.batch_in_epoch - 1) % cfg.optim.grad_accum + 1):
+                        os.kill(os.getppid(), signal.SIGTERM)
+                        for _ in range(3000):
+                            if self.stop.requested:
+                                break
+                            time.sleep(0.01)
                     acc_stats = s if acc_stats is None else acc_stats + s
                     if not sync:
                         continue

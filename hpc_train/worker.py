@@ -94,6 +94,21 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
         distributed.shutdown()
 
 
+def run_callable(fn, args: tuple, kwargs: dict, run_dir: str | os.PathLike) -> Any:
+    """A user's callable on every task, with the process group set up and torn down around it."""
+    from hpc_train import distributed
+    from hpc_train.config import DistSection
+
+    env = environment.current()
+    rd = Path(run_dir)
+    setup_logging(env.rank, rd)
+    distributed.init(env, DistSection())
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        distributed.shutdown()
+
+
 def _resume(trainer, cfg: Config, env: environment.NodeEnv, rd: Path) -> None:
     """Attach the checkpointer and load what :func:`hpc_train.resume.plan` picks.
 

@@ -1,0 +1,93 @@
+"""``python -m hpc_train sbatch``: a standalone sbatch script for users who submit themselves.
+
+The script is a plain dataclass rendered from ``slurm/templates/*.sbatch`` (TorchX's pattern:
+``materialize()`` returns the text; a dry run is printing it). Every value from the config or
+the command line goes through :func:`shlex.quote`; the resolved config is embedded in a quoted
+heredoc, which the shell does not expand. No torch here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_train import __version__, scheduler
+from hpc_train.config import Config
+
+TEMPLATES = Path(__file__).parent / "templates"   # slurm/templates links here
+
+
+def q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def _directive(flag: str, value: object) -> str:
+    # sbatch reads #SBATCH lines itself (bash sees comments); it honours shell-style quotes.
+    return f"#SBATCH --{flag}={q(value)}"
+
+
+@dataclass
+class SbatchScript:
+    cfg: Config
+    run_dir: Path
+    launcher: str = "srun"            # srun | torchrun
+    command: str = ""
+    resume: str = "latest"
+    after: str = ""                   # shell run after srun (the requeue fallback uses it)
+
+    def materialize(self) -> str:
+        job = self.cfg.job
+        tasks = scheduler.tasks_per_node(job)
+        minutes = scheduler.time_minutes(job.time)
+        directives = []
+        for flag, value in (("gpus-per-node", job.gpus_per_node), ("mem", job.mem), ("partition", job.partition),
+                            ("account", job.account), ("qos", job.qos), ("constraint", job.constraint)):
+            if value:
+                directives.append(_directive(flag, value))
+        if job.exclusive:
+            directives.append("#SBATCH --exclusive")
+        config_yaml = self.cfg.to_yaml().rstrip("\n")
+        eof = "HPC_TRAIN_CONFIG_" + secrets.token_hex(4).upper()
+        while eof in config_yaml:   # the heredoc must not end early
+            eof = "HPC_TRAIN_CONFIG_" + secrets.token_hex(4).upper()
+        # torchrun forwards SIGTERM to its workers but dies of USR1/USR2; it gets TERM.
+        signal = "TERM" if self.launcher == "torchrun" else job.signal
+        values = {
+            "version": __version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": (self.command or "(Python API)").replace("\n", "\\n").replace("\r", "\\r"), "job_name": q(job.name), "nodes": str(job.nodes),
+            "tasks_per_node": str(tasks), "cpus_per_task": str(job.cpus_per_task),
+            "cpus_per_node": str(job.cpus_per_task * tasks), "nproc_per_node": str(tasks),
+            "time": str(minutes), "signal": signal, "signal_lead": str(job.signal_lead),
+            "output": q(f"{self.run_dir}/slurm-%j.out"), "directives": "\n".join(directives),
+            "run_dir": q(self.run_dir), "config_yaml": config_yaml, "eof": eof,
+            "setup": "\n".join(job.setup), "python": q(sys.executable), "resume": q(self.resume),
+            "after": self.after,
+        }
+        text = (TEMPLATES / f"{self.launcher}.sbatch").read_text()
+        for key, value in values.items():
+            text = text.replace("{{" + key + "}}", value)
+        return text
+
+
+def cmd_sbatch(args: argparse.Namespace) -> int:
+    from hpc_train.cli import _load
+    cfg = _load(args)
+    scheduler.time_minutes(cfg.job.time)
+    run_dir = cfg.resolved_run_dir().absolute()
+    cfg.run_dir = str(run_dir)
+    command = "python -m hpc_train sbatch " + " ".join(q(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["sbatch"] \
+        else "python -m hpc_train sbatch"
+    text = SbatchScript(cfg, run_dir, args.launcher, command).materialize()
+    if args.output:
+        out = Path(args.output)
+        out.write_text(text)
+        out.chmod(0o755)
+        print(f"wrote {out}; submit it with: sbatch {q(out)}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,184 @@
+"""Talking to Slurm from the login node: checks before submitting, and batched queries.
+
+Etiquette (submitit #1759: too many ``sacct`` calls "stuck the whole cluster"): live jobs are
+asked about through ``squeue`` (served from slurmctld's memory), ``sacct`` only for jobs that
+have left the queue, every query covers all the jobs of interest in one call, and polling
+backs off. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_train.config import JobSection
+from hpc_train.errors import UsageError, closest
+
+_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED", "REVOKED"}
+
+
+def time_minutes(spec: str) -> int:
+    """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in whole minutes."""
+    m = _TIME_RE.match(spec.strip())
+    if not m or spec.strip().upper() in ("", "UNLIMITED"):
+        raise UsageError(f"job.time: {spec!r} is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS "
+                         f"(e.g. 30, 01:30:00, 2-00:00:00)")
+    days, a, b, c = m.groups()
+    if days is not None:            # D-HH[:MM[:SS]]
+        secs = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    elif c is not None:             # HH:MM:SS
+        secs = int(a) * 3600 + int(b) * 60 + int(c)
+    elif b is not None:             # MM:SS
+        secs = int(a) * 60 + int(b)
+    else:                           # MM
+        secs = int(a) * 60
+    if secs <= 0:
+        raise UsageError(f"job.time: {spec!r} is zero; give a positive time limit")
+    return max(1, math.ceil(secs / 60))
+
+
+def require_slurm() -> None:
+    if shutil.which("sbatch") is None:
+        raise UsageError("submit needs Slurm (no `sbatch` on PATH here). To train on this machine use "
+                         "`python -m hpc_train run CONFIG --nproc N`; to try Slurm locally start a cluster "
+                         "with `sudo slurm/devcluster.sh up` and put its shims on PATH "
+                         "(`eval \"$(slurm/devcluster.sh env)\"`)")
+
+
+def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise UsageError(f"`{cmd[0]}` is not on PATH; is this a Slurm login node?") from None
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"`{' '.join(cmd[:2])}` did not answer in {timeout:.0f}s; is slurmctld up?") from None
+
+
+def check_resources(job: JobSection) -> None:
+    """Refuse what the cluster cannot run, before anything is submitted (one ``sinfo`` call)."""
+    time_minutes(job.time)
+    out = _run(["sinfo", "-h", "-o", "%R|%D|%c|%G|%a"])
+    if out.returncode != 0:
+        raise UsageError(f"sinfo failed: {out.stderr.strip() or out.stdout.strip()}")
+    parts: dict[str, dict[str, Any]] = {}
+    default = None
+    for line in out.stdout.split("\n"):
+        if not line.strip():
+            continue
+        name, nodes, cpus, gres, _avail = line.split("|")
+        base = name.rstrip("*")
+        if name.endswith("*"):
+            default = base
+        p = parts.setdefault(base, {"nodes": 0, "cpus": 0, "gpus": 0})
+        p["nodes"] += int(nodes)
+        p["cpus"] = max(p["cpus"], int(re.sub(r"\D", "", cpus) or 0))
+        g = re.search(r"gpu(?::[^:(,]+)?:(\d+)", gres)
+        p["gpus"] = max(p["gpus"], int(g.group(1)) if g else 0)
+    # sinfo lists a default partition with a trailing "*"; strip it for the name lookup
+    partition = job.partition or default
+    if partition not in parts:
+        raise UsageError(f"job.partition: unknown partition '{job.partition}'{closest(job.partition, parts)} "
+                         f"(this cluster has: {', '.join(sorted(parts))})")
+    p = parts[partition]
+    if job.nodes > p["nodes"]:
+        raise UsageError(f"job.nodes: {job.nodes} nodes requested but partition '{partition}' has {p['nodes']}")
+    tasks = tasks_per_node(job)
+    if job.gpus_per_node > p["gpus"]:
+        raise UsageError(f"job.gpus_per_node: {job.gpus_per_node} requested but nodes in '{partition}' have "
+                         f"{p['gpus']} GPUs")
+    if p["cpus"] and tasks * job.cpus_per_task > p["cpus"]:
+        raise UsageError(f"job.tasks_per_node x job.cpus_per_task = {tasks} x {job.cpus_per_task} CPUs, but "
+                         f"nodes in '{partition}' have {p['cpus']}")
+
+
+def tasks_per_node(job: JobSection) -> int:
+    return job.tasks_per_node or max(1, job.gpus_per_node)
+
+
+# -- the run directory's record of its jobs ------------------------------------------------
+def record_job(run_dir: Path, job_id: str, how: str, **extra: Any) -> None:
+    path = Path(run_dir) / "job.json"
+    rec = json.loads(path.read_text()) if path.exists() else {"jobs": []}
+    rec["jobs"].append({"job_id": job_id, "submitted": time.time(), "via": how, **extra})
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(rec, indent=2))
+    tmp.replace(path)
+
+
+def job_ids(run_dir: Path) -> list[str]:
+    path = Path(run_dir) / "job.json"
+    if not path.exists():
+        return []
+    return [j["job_id"] for j in json.loads(path.read_text())["jobs"]]
+
+
+# -- batched queries -----------------------------------------------------------------------
+@dataclass
+class JobState:
+    job_id: str
+    state: str
+    nodes: str = ""
+    elapsed: str = ""
+    restarts: int = 0
+    reason: str = ""
+    exit_code: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.state.split()[0] in FINAL_STATES
+
+
+def query(ids: list[str]) -> dict[str, JobState]:
+    """States of many jobs in at most two scheduler calls: squeue, then sacct for the rest."""
+    ids = [i for i in dict.fromkeys(ids) if i]
+    out: dict[str, JobState] = {}
+    if not ids:
+        return out
+    sq = _run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%N|%M|%r"])
+    for line in sq.stdout.splitlines():
+        jid, state, nodes, elapsed, reason = (line.split("|") + [""] * 5)[:5]
+        out[jid] = JobState(jid, state, nodes, elapsed, reason=reason)
+    rest = [i for i in ids if i not in out]
+    if rest or out:
+        # sacct --duplicates lists every run of a requeued job: the count is the restarts.
+        sa = _run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", ",".join(ids),
+                   "-o", "JobID,State,NodeList,Elapsed,ExitCode"])
+        runs: dict[str, list[list[str]]] = {}
+        for line in sa.stdout.splitlines():
+            f = line.split("|")
+            if len(f) >= 5:
+                runs.setdefault(f[0], []).append(f)
+        for jid, rows in runs.items():
+            if jid in out:
+                out[jid].restarts = len(rows) - 1
+            else:
+                last = rows[-1]
+                out[jid] = JobState(jid, last[1], last[2], last[3], restarts=len(rows) - 1, exit_code=last[4])
+    return out
+
+
+def wait(ids: list[str], on_change=None, max_delay: float = 30.0) -> dict[str, JobState]:
+    """Block until every job is final; the poll interval doubles from 1 s up to ``max_delay``."""
+    delay, last = 1.0, {}
+    while True:
+        states = query(ids)
+        snapshot = {k: v.state for k, v in states.items()}
+        if snapshot != last:
+            delay = 1.0
+            if on_change:
+                on_change(states)
+            last = snapshot
+        if ids and all(i in states and states[i].final and states[i].state.split()[0] != "PREEMPTED"
+                       for i in ids):
+            return states
+        time.sleep(delay)
+        delay = min(max_delay, delay * 2)

@@ -1,0 +1,133 @@
+"""``python -m hpc_train submit`` and :func:`submit`: send a job to Slurm through submitit.
+
+submitit pickles the callable, writes the sbatch script, and starts the callable in every srun
+task. The callable here is :class:`SlurmEntry`, which runs :func:`hpc_train.worker.run_worker`
+(the same on-node path as ``run`` and the rendered sbatch script), or a user's own callable
+with the process group already set up.
+
+submitit details that matter (see the shared notes): its stop signal comes from the
+``SUBMITIT_PREEMPT_SIGNAL`` variable (we set it from ``job.signal``); its handlers (rank-0-only
+checkpoint, then exit) are replaced by ours in the worker; it learns state only from sacct.
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpc_train import scheduler
+from hpc_train.config import Config, load
+from hpc_train.errors import UsageError
+
+
+class SlurmEntry:
+    """What submitit runs in every task. Picklable: holds only plain data or a picklable callable."""
+
+    def __init__(self, cfg: dict[str, Any] | None, run_dir: str, fn: Callable[..., Any] | None = None,
+                 args: tuple = (), kwargs: dict[str, Any] | None = None, resume: str = "latest") -> None:
+        self.cfg, self.run_dir, self.fn, self.args, self.kwargs = cfg, run_dir, fn, args, kwargs or {}
+        self.resume = resume
+
+    def __call__(self) -> Any:
+        os.environ.setdefault("HPC_TRAIN_RESUME", self.resume)
+        if self.fn is None:
+            from hpc_train.worker import run_worker
+            return run_worker(self.cfg, self.run_dir)
+        from hpc_train.worker import run_callable
+        return run_callable(self.fn, self.args, self.kwargs, self.run_dir)
+
+
+def make_executor(cfg: Config, run_dir: Path):
+    import submitit
+
+    job = cfg.job
+    # submitit's sbatch asks for --signal=$SUBMITIT_PREEMPT_SIGNAL@lead; NCCL may catch USR1.
+    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = job.signal
+    ex = submitit.SlurmExecutor(folder=str(run_dir / "submitit"), max_num_timeout=10**6)
+    params: dict[str, Any] = dict(
+        job_name=job.name, nodes=job.nodes, ntasks_per_node=scheduler.tasks_per_node(job),
+        cpus_per_task=job.cpus_per_task, time=scheduler.time_minutes(job.time), signal_delay_s=job.signal_lead,
+        setup=list(job.setup) + [f"export SRUN_CPUS_PER_TASK={job.cpus_per_task}"],
+        additional_parameters={"requeue": True, "open-mode": "append"},
+    )
+    for key in ("partition", "account", "qos", "constraint", "mem"):
+        if getattr(job, key):
+            params[key] = getattr(job, key)
+    if job.gpus_per_node:
+        params["gpus_per_node"] = job.gpus_per_node
+    if job.exclusive:
+        params["exclusive"] = True
+    ex.update_parameters(**params)
+    return ex
+
+
+def dry_run_text(ex) -> str:
+    """Exactly the script submitit would submit (its text does not depend on the job id)."""
+    return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+
+
+def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, overrides: list[str] = (),
+           run_dir: str | os.PathLike | None = None, resume: str = "latest", **job: Any):
+    """Submit a config (object or YAML path) or any picklable callable; returns submitit's Job.
+
+    ``job`` keys are the config's job section (``nodes=2, partition="gpu", time="02:00:00"``).
+    A callable runs in every task with the process group initialised, and receives ``*args``.
+    """
+    scheduler.require_slurm()
+    fn = target if callable(target) and not isinstance(target, Config) else None
+    if isinstance(target, Config):
+        cfg = target
+    elif fn is not None:
+        cfg = load(None, overrides, {"job": job} if job else None)
+    else:
+        cfg = load(target, overrides, {"job": job} if job else None)
+    if fn is None and isinstance(target, Config) and job:
+        from hpc_train.config import from_dict
+        d = cfg.to_dict()
+        d["job"].update(job)
+        cfg = from_dict(d)
+    rd = Path(run_dir or cfg.resolved_run_dir()).absolute()
+    cfg.run_dir = str(rd)
+    scheduler.check_resources(cfg.job)
+    if fn is None:
+        from hpc_train import resume as resume_mod
+        plan = resume_mod.plan(rd, resume, cfg)
+        if plan.finished:
+            raise UsageError(f"{rd} holds a finished run (result.json); use another --run-dir to train again")
+        resume = plan.env_value()
+    rd.mkdir(parents=True, exist_ok=True)
+    from hpc_train import config as config_mod
+    config_mod.write(cfg, rd)
+    ex = make_executor(cfg, rd)
+    entry = SlurmEntry(cfg.to_dict() if fn is None else None, str(rd), fn, args, resume=resume)
+    job_obj = ex.submit(entry)
+    scheduler.record_job(rd, str(job_obj.job_id), "submitit", folder=str(rd / "submitit"))
+    return job_obj
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from hpc_train.cli import _load, check_plugins_light
+    cfg = _load(args)
+    check_plugins_light(cfg)
+    rd = cfg.resolved_run_dir().absolute()
+    cfg.run_dir = str(rd)
+    if args.dry_run:
+        scheduler.time_minutes(cfg.job.time)
+        print(dry_run_text(make_executor(cfg, rd)), end="")
+        return 0
+    job = submit(cfg, run_dir=rd, resume=args.resume)
+    print(f"submitted job {job.job_id}\n  run directory: {rd}\n  logs: {rd / 'logs'}/rank-*.log "
+          f"(submitit's: {rd / 'submitit'})\n  follow: python -m hpc_train logs {rd} -f")
+    if not args.wait:
+        return 0
+    states = scheduler.wait([str(job.job_id)], on_change=lambda s: print(
+        f"  job {job.job_id}: {s.get(str(job.job_id)).state if str(job.job_id) in s else 'UNKNOWN'}",
+        file=sys.stderr))
+    final = states[str(job.job_id)].state
+    print(f"job {job.job_id} ended: {final}")
+    return 0 if final == "COMPLETED" else 1
