@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("env", help="print this process's derived rank/world/rendezvous (srun it to debug)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser("requeue-hook", help="(internal) run by batch scripts after srun: issue the requeue")
+    p.add_argument("run_dir")
+    p.add_argument("status", type=int)
+
     p = sub.add_parser("worker", help="(internal) one task's entry point, started by run/srun")
     p.add_argument("--config", required=True)
     p.add_argument("--run-dir")
@@ -183,7 +187,8 @@ def _lazy(target: str):
 COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_worker,
             "submit": _lazy("hpc_train.submit:cmd_submit"), "sbatch": _lazy("hpc_train.sbatch:cmd_sbatch"),
             "status": _lazy("hpc_train.jobs:cmd_status"), "logs": _lazy("hpc_train.jobs:cmd_logs"),
-            "cancel": _lazy("hpc_train.jobs:cmd_cancel"), "ckpt": _lazy("hpc_train.ckpt_cli:cmd_ckpt")}
+            "cancel": _lazy("hpc_train.jobs:cmd_cancel"),
+            "requeue-hook": lambda a: __import__("hpc_train.requeue", fromlist=["main"]).main([a.run_dir, str(a.status)]), "ckpt": _lazy("hpc_train.ckpt_cli:cmd_ckpt")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,10 @@ class JobSection:
     signal: str = _f("USR2", choices=("USR1", "USR2", "TERM", "INT", "HUP"))  # NCCL may catch USR1
     signal_lead: int = _f(90, min=0)             # seconds before the time limit
     setup: list = _f([])                         # shell lines run before srun in the batch script
+    # Requeue budgets per cause, counted across runs in RUN_DIR/requeue.json; -1 = unlimited.
+    requeue_preemption: int = _f(-1, min=-1)
+    requeue_timeout: int = _f(20, min=-1)
+    requeue_failure: int = _f(1, min=-1)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_train import __version__, scheduler
+from hpc_train import __version__, requeue, scheduler
 from hpc_train.config import Config
 
 TEMPLATES = Path(__file__).parent / "templates"   # slurm/templates links here
@@ -66,7 +66,7 @@ class SbatchScript:
             "output": q(f"{self.run_dir}/slurm-%j.out"), "directives": "\n".join(directives),
             "run_dir": q(self.run_dir), "config_yaml": config_yaml, "eof": eof,
             "setup": "\n".join(job.setup), "python": q(sys.executable), "resume": q(self.resume),
-            "after": self.after,
+            "after": self.after or "\n".join(requeue.after_srun_lines(q(sys.executable))),
         }
         text = (TEMPLATES / f"{self.launcher}.sbatch").read_text()
         for key, value in values.items():

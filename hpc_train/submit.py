@@ -20,7 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpc_train import scheduler
+import shlex
+
+from hpc_train import requeue, scheduler
 from hpc_train.config import Config, load
 from hpc_train.errors import UsageError
 
@@ -37,7 +39,13 @@ class SlurmEntry:
         os.environ.setdefault("HPC_TRAIN_RESUME", self.resume)
         if self.fn is None:
             from hpc_train.worker import run_worker
-            return run_worker(self.cfg, self.run_dir)
+            result = run_worker(self.cfg, self.run_dir)
+            if requeue.requested(Path(self.run_dir)):
+                # Leave without a result (as submitit itself does when it requeues): the job is
+                # about to be requeued by the batch shell, and the submitting side's Job must
+                # see the result of the run that finishes, not of this stopped one.
+                raise SystemExit(0)
+            return result
         from hpc_train.worker import run_callable
         return run_callable(self.fn, self.args, self.kwargs, self.run_dir)
 
@@ -54,6 +62,11 @@ def make_executor(cfg: Config, run_dir: Path):
         cpus_per_task=job.cpus_per_task, time=scheduler.time_minutes(job.time), signal_delay_s=job.signal_lead,
         setup=list(job.setup) + [f"export SRUN_CPUS_PER_TASK={job.cpus_per_task}"],
         additional_parameters={"requeue": True, "open-mode": "append"},
+        # One dead task ends the step (so the others do not wait on it for a collective timeout).
+        srun_args=["--kill-on-bad-exit=1"],
+        # After srun: the one requeue, from the batch shell (see hpc_train.requeue).
+        teardown=["status=$?", f"RUN_DIR={shlex.quote(str(run_dir))}",
+                  *requeue.after_srun_lines(shlex.quote(sys.executable)), 'exit "$status"'],
     )
     for key in ("partition", "account", "qos", "constraint", "mem"):
         if getattr(job, key):

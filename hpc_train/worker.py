@@ -55,6 +55,11 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
     from hpc_train import distributed
     from hpc_train.preemption import StopRequest, stop_signals
 
+    from hpc_train import resume as resume_mod
+    if resume_mod.is_finished(rd):
+        # A finished run never trains again, whether requeued or resubmitted.
+        log.info("%s holds a finished run (result.json); not training again", rd)
+        return json.loads((rd / "result.json").read_text())
     stop = StopRequest()
     stop.install(stop_signals(cfg.job.signal))
     log.info("on-node environment: source=%s rank %d/%d local %d/%d node %d/%d host %s job %s restart %d",
@@ -76,6 +81,8 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
         result.update(world_size=env.world_size)
         if env.is_main:
             if result.get("stopped"):
+                if env.job_id and not cfg.train.fn:
+                    result["requeue"] = _request_requeue(cfg, env, rd, result, stop)
                 write_json_atomic(rd / "stopped.json", result)
                 saved = cfg.checkpoint.enabled and not cfg.train.fn
                 log.info("%s by %s at step %d", "checkpoint saved" if saved else "stopped",
@@ -92,6 +99,21 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
     finally:
         del trainer  # the DDP reducer must go before the group (see distributed.shutdown)
         distributed.shutdown()
+
+
+def _request_requeue(cfg: Config, env: environment.NodeEnv, rd: Path, result: dict, stop) -> str:
+    """Rank 0, after the stop's checkpoint: classify the cause and ask the batch shell to requeue."""
+    import time
+
+    from hpc_train import requeue
+    end = requeue.job_end_time(env.job_id)
+    cause = requeue.classify(result.get("stop_signal") or "", end, stop.received_at or time.time(),
+                             cfg.job.signal_lead)
+    msg = requeue.request(rd, cause, env.requeue_target or "", env.restart_count, requeue.budgets_of(cfg),
+                          int(result.get("steps", 0)))
+    log.warning("%s (signal %s, %.1fs after it)", msg, result.get("stop_signal"),
+                time.time() - (stop.received_at or time.time()))
+    return msg
 
 
 def run_callable(fn, args: tuple, kwargs: dict, run_dir: str | os.PathLike) -> Any:
