@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -225,6 +226,14 @@ class Checkpointer:
 
 
 # -- load --------------------------------------------------------------------------------
+def _why(e: BaseException) -> str:
+    """One line for a load failure: the line naming a refused global, else the last line (for
+    DCP's CheckpointException, the underlying per-rank error)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "GLOBAL" in ln or "not allowed" in ln]
+    return (named or lines or [type(e).__name__])[-1]
+
+
 def load(trainer: Trainer, path: Path, world_size: int) -> None:
     """Restore ``trainer`` from a complete checkpoint (resharding if the world size changed)."""
     info = resume.inspect(path)
@@ -237,10 +246,11 @@ def load(trainer: Trainer, path: Path, world_size: int) -> None:
     try:
         dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(),
                  process_group=None, no_dist=not (dist.is_initialized() and world_size > 1))
-    except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException wrapping per-rank errors
-        first = str(e).strip().splitlines()
-        raise CheckpointError(f"cannot load checkpoint {path}: {first[-1] if first else type(e).__name__} "
-                              f"(does the model config match the one it was saved with?)") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
+        # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
+        why = _why(e)
+        hint = " (does the model config match the one it was saved with?)" if "mismatch" in why else ""
+        raise CheckpointError(f"cannot load checkpoint {path}: {why}{hint}") from None
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     trainer.scheduler.load_state_dict(state["trainer"]["scheduler"])
@@ -250,7 +260,11 @@ def load(trainer: Trainer, path: Path, world_size: int) -> None:
         setattr(trainer.progress, k, v)
     rank_file = path / f"rank-{trainer.env.rank}.pt"
     if saved == world_size and rank_file.exists():
-        trainer.load_rank_state(_from_plain(torch.load(rank_file, weights_only=True)))
+        try:
+            rank_state = torch.load(rank_file, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - e.g. a pickle that names a forbidden global
+            raise CheckpointError(f"cannot load {rank_file}: {_why(e)}") from None
+        trainer.load_rank_state(_from_plain(rank_state))
     else:
         trainer.reshard_progress(saved or world_size)
     log.info("resumed from %s: step %d, epoch %d, batch %d of the epoch%s", path, trainer.progress.step,
@@ -260,13 +274,15 @@ def load(trainer: Trainer, path: Path, world_size: int) -> None:
 
 def export(path: Path, out: Path) -> int:
     """A consolidated model ``state_dict`` that ``torch.load(out, weights_only=True)`` reads."""
-    reader = SafeReader(str(path))
-    meta = reader.read_metadata()
-    state: dict[str, Any] = {}
-    for fqn, md in meta.state_dict_metadata.items():
-        if fqn.startswith("model.") and hasattr(md, "size"):
-            state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
+    try:
+        meta = SafeReader(str(path)).read_metadata()
+        state: dict[str, Any] = {}
+        for fqn, md in meta.state_dict_metadata.items():
+            if fqn.startswith("model.") and hasattr(md, "size"):
+                state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - one clear line, not a traceback
+        raise CheckpointError(f"cannot load checkpoint {path}: {_why(e)}") from None
     model = {k[len("model."):]: v for k, v in state.items()}
     tmp = Path(str(out) + ".tmp")
     torch.save(model, tmp)

@@ -72,8 +72,11 @@ def cmd_export(run_dir: Path, out: str, step: int | None) -> int:
             raise UsageError(f"ckpt export: no checkpoint at step {step} (have: {steps or 'none'})")
         if not info.complete:
             raise UsageError(f"ckpt export: step {step} is not complete: {info.problem}")
-    from hpc_train.checkpoint import export
-    n = export(info.path, Path(out))
+    from hpc_train.checkpoint import CheckpointError, export
+    try:
+        n = export(info.path, Path(out))
+    except CheckpointError as e:   # e.g. unsafe or unreadable .metadata: one line, exit 2
+        raise UsageError(f"ckpt export: {e}") from None
     print(f"exported {n} tensors from step {info.step} to {out} (torch.load(..., weights_only=True))")
     return 0
 

@@ -121,7 +121,11 @@ def _ignore_stop_signals(worker_id: int) -> None:
 def loader(ds: Dataset, sampler: Any, batch_size: int, num_workers: int, seed: int, drop_last: bool):
     """A ``StatefulDataLoader`` with its own generator, so worker seeds do not depend on when
     the global RNG was last touched (one of the conditions for a bitwise resume)."""
+    import warnings
+
     from torchdata.stateful_dataloader import StatefulDataLoader
+    # torchdata 0.11 calls a deprecated torch API on every iterator; the warning is noise.
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
     return StatefulDataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                               drop_last=drop_last, generator=torch.Generator().manual_seed(seed),

@@ -148,10 +148,14 @@ def plan(run_dir: Path, mode: str, cfg: Any = None, warn=None) -> ResumePlan:
             path = found.path
         own = newest_complete(run_dir, warn)
         if own is not None:          # a requeued run continues from its own newest save
+            if cfg is not None:
+                check_compatible(own, cfg)
             return ResumePlan(own)
         info = inspect(path)
         if not info.complete:
             raise UsageError(f"--resume {mode}: checkpoint is not complete: {info.problem}")
+        if cfg is not None:
+            check_compatible(info, cfg)
         return ResumePlan(info)
     found = newest_complete(run_dir, warn)
     if found is None and infos:

@@ -83,6 +83,8 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     command = "python -m hpc_train sbatch " + " ".join(q(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["sbatch"] \
         else "python -m hpc_train sbatch"
     text = SbatchScript(cfg, run_dir, args.launcher, command).materialize()
+    # Slurm opens --output before the script runs, and does not create its directory.
+    run_dir.mkdir(parents=True, exist_ok=True)
     if args.output:
         out = Path(args.output)
         out.write_text(text)

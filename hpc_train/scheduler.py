@@ -66,7 +66,7 @@ def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
 def check_resources(job: JobSection) -> None:
     """Refuse what the cluster cannot run, before anything is submitted (one ``sinfo`` call)."""
     time_minutes(job.time)
-    out = _run(["sinfo", "-h", "-o", "%R|%D|%c|%G|%a"])
+    out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%G|%a"])
     if out.returncode != 0:
         raise UsageError(f"sinfo failed: {out.stderr.strip() or out.stdout.strip()}")
     parts: dict[str, dict[str, Any]] = {}
