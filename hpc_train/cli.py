@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "submit":
             p.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
             p.add_argument("--wait", action="store_true", help="block until the job ends; exit code follows it")
+            p.add_argument("--sweep", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
+                           help="one array task per value (repeatable: the cartesian product); each task "
+                                "gets RUN_DIR/task-I")
+            p.add_argument("--array-parallelism", type=int, default=256, help="array tasks running at once")
             _add_resume_arg(p)
         else:
             p.add_argument("-o", "--output", help="write the script here instead of stdout")
@@ -128,7 +132,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     if args.json:
         print(env.to_json())
     else:
-        for k, v in env.__dict__.items():
+        for k, v in env.to_dict().items():
             print(f"{k:17s} {','.join(v) if isinstance(v, tuple) else v}")
     return 0
 
@@ -149,6 +153,16 @@ def check_plugins_light(cfg) -> None:
             check_findable(value, field)
 
 
+def check_backend(cfg) -> None:
+    """``run`` trains here, so a backend this machine cannot provide is a usage error now, not a
+    traceback in every worker. (``submit``/``sbatch`` must not check: the login node has no GPU.)"""
+    if cfg.dist.backend == "nccl":
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError("config: dist.backend=nccl needs CUDA devices and none are visible on this machine; "
+                             "use dist.backend=gloo (or auto, which picks nccl when GPUs exist)")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from hpc_train import config as config_mod
     from hpc_train import launch
@@ -156,6 +170,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     cfg = _load(args)
     check_plugins(cfg)
+    check_backend(cfg)
+    port = launch.rendezvous_port()   # a bad MASTER_PORT fails here, before anything is written
     run_dir = cfg.resolved_run_dir().absolute()
     cfg.run_dir = str(run_dir)
     from hpc_train import resume
@@ -167,7 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     path = config_mod.write(cfg, run_dir)
     print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
           f"{plan.describe()}", file=sys.stderr)
-    return launch.launch(args.nproc, path, run_dir, resume=plan.env_value())
+    return launch.launch(args.nproc, path, run_dir, resume=plan.env_value(), port=port)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -68,13 +68,21 @@ def classify(signal_name: str, end_time: float | None, now: float, lead_s: int) 
 
 
 def job_end_time(job_id: str | None) -> float | None:
-    """The job's scheduled end, from ``squeue`` (one call, only at a stop)."""
+    """The job's *nominal* end: start time + time limit, from ``squeue`` (one call, at a stop).
+
+    Not squeue's end time: on preemption slurmctld moves that to now + GraceTime, which would
+    make every preemption look like the time limit.
+    """
     if not job_id or shutil.which("squeue") is None:
         return None
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True,
-                             timeout=20).stdout.strip()
-        return time.mktime(time.strptime(out.splitlines()[0], "%Y-%m-%dT%H:%M:%S"))
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%S|%l"], capture_output=True, text=True,
+                             timeout=20).stdout.strip().splitlines()[0]
+        start, limit = out.split("|")
+        if limit.upper() in ("UNLIMITED", "INFINITE", "NOT_SET"):
+            return None
+        from hpc_train.scheduler import time_minutes
+        return time.mktime(time.strptime(start, "%Y-%m-%dT%H:%M:%S")) + 60 * time_minutes(limit)
     except (subprocess.SubprocessError, ValueError, IndexError):
         return None
 
@@ -112,6 +120,9 @@ def _scontrol_requeue(target: str) -> tuple[bool, str]:
     return out.returncode == 0, (out.stderr or out.stdout).strip()
 
 
+UNFINISHED = 3   # the hook's exit code for "stopped before the end and not requeued"
+
+
 def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
          budgets: dict[str, int] | None = None) -> str:
     """The batch shell's step after srun: issue the one requeue, or say why there is none."""
@@ -127,6 +138,9 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
         ok, detail = _scontrol_requeue(req["target"])
         return (f"requeued {req['target']} ({req['cause']})" if ok
                 else f"NOT requeued: scontrol requeue {req['target']} failed: {detail}")
+    final = _load(run_dir).get("final")
+    if status == 0 and final:
+        return f"NOT requeued: {final}"
     if status != 0:
         array = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
         target = f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID", "")
@@ -167,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     msg = hook(Path(args.run_dir), args.status)
     print(f"hpc_train requeue-hook: {msg}", file=sys.stderr)
-    return 0
+    # A run that stopped early and was not requeued must not end as COMPLETED.
+    return UNFINISHED if msg.startswith("NOT requeued") and args.status == 0 else 0
 
 
 def after_srun_lines(python: str, run_dir_expr: str = '"$RUN_DIR"') -> list[str]:
     """Shell lines for a batch script, right after srun; ``status`` must hold srun's exit code."""
-    return [f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status" || true']
+    return [f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status" || status=$?']

@@ -49,6 +49,15 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None) -> 
         raise
 
 
+def _address() -> str:
+    """This host's address as the other nodes would reach it (for the log; never fatal)."""
+    import socket
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "address unknown"
+
+
 def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
     import torch  # noqa: F401 - heavy; imported only on the training path
 
@@ -62,9 +71,10 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
         return json.loads((rd / "result.json").read_text())
     stop = StopRequest()
     stop.install(stop_signals(cfg.job.signal))
-    log.info("on-node environment: source=%s rank %d/%d local %d/%d node %d/%d host %s job %s restart %d",
-             env.source, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
-             env.num_nodes, env.node_name or os.uname().nodename, env.job_id, env.restart_count)
+    log.info("on-node environment: source=%s rank %d/%d local %d/%d node %d/%d host %s (%s) pid %d job %s "
+             "restart %d", env.source, env.rank, env.world_size, env.local_rank, env.local_world_size,
+             env.node_rank, env.num_nodes, os.uname().nodename, _address(), os.getpid(), env.job_id,
+             env.restart_count)
     device = distributed.init(env, cfg.dist)
     trainer = None
     try:
@@ -150,8 +160,22 @@ def _resume(trainer, cfg: Config, env: environment.NodeEnv, rd: Path) -> None:
         if int(t[0]) != step or int(-t[1]) != step:
             raise checkpoint.CheckpointError(f"ranks disagree on the checkpoint to resume (rank {env.rank}: "
                                              f"step {step}); is {rd} on a filesystem every node sees?")
+    error: Exception | None = None
     if plan.source is not None:
-        checkpoint.load(trainer, plan.source.path, env.world_size)
+        try:
+            checkpoint.load(trainer, plan.source.path, env.world_size)
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+        if dist.is_initialized() and env.world_size > 1:
+            # A rank that fails alone (e.g. its own rank-R.pt is bad) would sit in the shutdown barrier
+            # while the others wait in their next collective: a hang until dist.timeout_s. Fail together.
+            failed = torch.tensor([float(error is not None)], device=trainer.device)
+            dist.all_reduce(failed)
+            if error is None and failed.item() > 0:
+                error = checkpoint.CheckpointError(f"another rank could not load {plan.source.path}; "
+                                                   f"see {rd / 'logs'}")
+        if error is not None:
+            raise error
     if cfg.checkpoint.enabled:
         trainer.checkpointer = checkpoint.Checkpointer(cfg, rd, env.rank, env.world_size)
 

@@ -22,10 +22,12 @@ set -euo pipefail
 ORIG_UMASK="$(umask)"
 ORIG_PATH_SET="${PATH+1}"
 ORIG_PATH="${PATH-}"
+CALLER_SLURM_CONF="${SLURM_CONF:-}"
 # MariaDB (user mysql) and munge clients must traverse the state dir, whatever the caller's umask.
 umask 022
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
+SCRIPT="$SCRIPT_DIR/$(basename "${BASH_SOURCE[0]}")"
 SHIM_DIR="$SCRIPT_DIR/shims"
 CONF_TEMPLATES="$SCRIPT_DIR/conf"
 
@@ -47,7 +49,6 @@ CONF="$ETC/slurm.conf"
 HOSTS="$ETC/hosts"
 MUNGE_SOCKET="$STATE_DIR/munge/munge.socket"
 DB_SOCKET="$STATE_DIR/db/mysqld.sock"
-LOCK="$STATE_DIR.lock"
 
 # The script calls the real Slurm binaries. If the caller put our shims first on PATH,
 # drop them: a shim would re-enter this script for every call.
@@ -60,7 +61,7 @@ done
 export PATH="${clean_path:+$clean_path:}/usr/sbin:/usr/bin:/sbin:/bin"
 unset clean_path _path_parts _p
 
-PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client iproute2 util-linux)
+PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server iproute2 util-linux)
 REQUIRED_BINS=(slurmctld slurmd slurmstepd slurmdbd sbatch srun squeue sacct sacctmgr scontrol sinfo
     munged munge mariadbd mariadb-install-db ip nsenter unshare setsid flock mountpoint)
 
@@ -106,6 +107,7 @@ in_cluster_ns() {
 # the final command: that is what lets us record daemon pids with $!.
 # Tools are named by absolute path: `exec` runs the chain under the caller's PATH.
 host_prefix() { # host_prefix NETNS HOSTNAME -> sets the array HOST_PREFIX
+    # shellcheck disable=SC2016  # the inner sh expands $1.., not us
     HOST_PREFIX=("$(command -v nsenter)" --net="/run/netns/$1"
         "$(command -v unshare)" --uts --mount --propagation private
         /bin/sh -c '"$1" --bind "$2" /etc/hosts && "$3" "$4" && shift 4 && exec "$@"'
@@ -121,37 +123,29 @@ on_head() {
 # A process's start time (clock ticks since boot): pid plus start time names one process
 # for good, so `down` never signals a recycled pid. A zombie counts as gone: nobody may
 # reap the daemons once `up` has exited and they were reparented.
-proc_start() {
+proc_start() { # proc_start PID [any]: start time; fails for a zombie unless "any"
     local stat fields
     stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
     stat="${stat##*) }"                  # drop "pid (comm) ", comm may hold spaces
     read -r -a fields <<<"$stat"
-    [[ "${fields[0]}" != Z ]] || return 1
+    [[ "${fields[0]}" != Z || "${2:-}" == any ]] || return 1
     printf '%s' "${fields[19]}"          # field 22 of /proc/PID/stat
 }
 pid_alive() { # pid_alive PID START
     [[ "$(proc_start "$1" 2>/dev/null || true)" == "$2" ]]
 }
+# pid_exists PID START: alive or a zombie not yet reaped.
+pid_exists() {
+    [[ "$(proc_start "$1" any 2>/dev/null || true)" == "$2" ]]
+}
 
 record() { printf '%s\n' "$*" >>"$RECORD"; }
-
-wait_for() { # wait_for DESCRIPTION COMMAND... : poll every 0.1 s, up to $TIMEOUT s
-    local desc="$1"; shift
-    local deadline=$((SECONDS + TIMEOUT))
-    until "$@" >/dev/null 2>&1; do
-        if ((SECONDS >= deadline)); then
-            say "timed out after ${TIMEOUT}s waiting for $desc"
-            return 1
-        fi
-        sleep 0.1
-    done
-}
 
 show_logs() {
     local f
     [[ -d "$LOG" ]] || return 0
     for f in "$LOG"/*; do
-        [[ -s "$f" ]] || continue
+        [[ -s "$f" && "$f" != */mariadb-install.log ]] || continue
         printf '\n===== %s (last 25 lines) =====\n' "$f" >&2
         tail -n 25 "$f" >&2 || true
     done
@@ -184,6 +178,9 @@ install_packages() {
     } >&2 || rc=$?
     ((made_policy)) && rm -f /usr/sbin/policy-rc.d
     ((rc == 0)) || die 1 "apt-get failed (exit $rc)"
+    for b in "${missing[@]}"; do
+        command -v "$b" >/dev/null 2>&1 || die 1 "'$b' is still missing after installing ${PACKAGES[*]}"
+    done
     say "installed in $((SECONDS - t0))s"
 }
 
@@ -252,7 +249,17 @@ start_daemon() {
     else
         host_prefix "$ns" "$host"
     fi
-    setsid "${envs[@]}" "${HOST_PREFIX[@]}" "$@" </dev/null >>"$LOG/$name.out" 2>&1 &
+    # Hazard: a daemon keeps every fd it inherits. Our lock (fd 9) would then live as long as
+    # the daemon (a second `up` or `down` would wait for ever), and a pipe inherited from whoever called us would never see EOF (a test
+    # that captures our output would hang). So the subshell closes every fd above 2 and
+    # execs: $! stays the daemon's pid.
+    (
+        for fd in "/proc/$BASHPID/fd/"*; do
+            fd="${fd##*/}"
+            ((fd > 2)) && exec {fd}>&-
+        done
+        exec setsid "${envs[@]}" "${HOST_PREFIX[@]}" "$@"
+    ) </dev/null >>"$LOG/$name.out" 2>&1 &
     local pid=$!
     local start
     start="$(proc_start "$pid")" || { wait "$pid" || true; die 1 "$name exited at once"; }
@@ -325,7 +332,7 @@ start_mariadb() {
         --innodb-log-file-size=8M --innodb-buffer-pool-size=32M)
     mariadb-install-db "${opts[@]}" --auth-root-authentication-method=socket --skip-test-db \
         >>"$LOG/mariadb-install.log" 2>&1 ||
-        { say "mariadb-install-db failed"; return 1; }
+        { say "mariadb-install-db failed:"; tail -n 25 "$LOG/mariadb-install.log" >&2; return 1; }
     start_daemon mariadbd "$HEAD_NS" head mariadbd "${opts[@]}" --skip-networking \
         --socket="$DB_SOCKET" --pid-file="$STATE_DIR/db/mariadbd.pid" --log-error="$LOG/mariadb.log"
     wait_daemon mariadbd "MariaDB's socket" test -S "$DB_SOCKET"
@@ -399,24 +406,53 @@ wait_gone() {
     done
 }
 
-# stop_procs PID:START...: SIGTERM, wait up to 10 s, then SIGKILL and wait up to 5 s.
-stop_procs() {
-    local item live=()
+# term_procs PID:START...: send SIGTERM to those still alive.
+term_procs() {
+    local item
     for item in "$@"; do
-        pid_alive "${item%%:*}" "${item#*:}" || continue
-        kill -TERM "${item%%:*}" 2>/dev/null || true
-        live+=("$item")
+        pid_alive "${item%%:*}" "${item#*:}" && kill -TERM "${item%%:*}" 2>/dev/null
     done
-    ((${#live[@]})) || return 0
-    wait_gone 10 "${live[@]}" && return 0
-    for item in "${live[@]}"; do
-        pid_alive "${item%%:*}" "${item#*:}" && kill -KILL "${item%%:*}" 2>/dev/null
-    done
-    wait_gone 5 "${live[@]}" || { say "warning: could not stop pids ${live[*]}"; return 0; }
+    return 0
 }
 
-# Every process inside a recorded node namespace: slurmstepd and the jobs' processes,
-# which slurmd leaves running when it stops (by design: slurmd may be restarted).
+# finish_procs GRACE PID:START...: wait up to GRACE s for them to exit, then SIGKILL and
+# wait up to 5 s more.
+finish_procs() {
+    local grace="$1" item
+    shift
+    (($#)) || return 0
+    wait_gone "$grace" "$@" && return 0
+    for item in "$@"; do
+        pid_alive "${item%%:*}" "${item#*:}" && kill -KILL "${item%%:*}" 2>/dev/null
+    done
+    wait_gone 5 "$@" || say "warning: could not stop pids $*"
+}
+
+# stop_procs GRACE PID:START...: SIGTERM, then finish_procs.
+stop_procs() {
+    local grace="$1"
+    shift
+    term_procs "$@"
+    finish_procs "$grace" "$@"
+}
+
+# Hazard: the daemons are orphans (their parent, `up`, has exited), so once stopped they
+# stay zombies until PID 1 reaps them. The init of the CI VMs reaps only about once a
+# second, and `pgrep` lists zombies, so wait (briefly) for the kernel to drop them.
+wait_reaped() { # wait_reaped PID:START...
+    local deadline=$((SECONDS + 5)) item left
+    while :; do
+        left=0
+        for item in "$@"; do
+            pid_exists "${item%%:*}" "${item#*:}" && left=1
+        done
+        ((left)) || return 0
+        ((SECONDS < deadline)) || { say "note: some stopped daemons are zombies not yet reaped by PID 1"; return 0; }
+        sleep 0.1
+    done
+}
+
+# Every process inside a node namespace: slurmstepd and the jobs' processes.
 namespace_procs() { # namespace_procs NETNS -> PID:START lines
     local pid start lineage
     lineage="$(own_lineage)"
@@ -436,6 +472,8 @@ do_down() { # do_down KEEP_LOGS(0|1)
                 "record of it; not touching it (remove by hand: ip netns del $ns)"
         done
         say "nothing recorded in $STATE_DIR: nothing to stop"
+        # What a failed `up` kept for a post-mortem (logs, configs) goes now.
+        if ((!keep_logs)) && [[ -e "$MARKER" ]]; then rm -rf "$STATE_DIR"; fi
         return 0
     fi
     local kind a b c
@@ -451,22 +489,33 @@ do_down() { # do_down KEEP_LOGS(0|1)
         esac
     done <"$RECORD"
 
-    # Order matters: the controller first (so it does not react to nodes vanishing), then
-    # the slurmds and whatever runs on the nodes, then accounting, its database, and munge.
-    local name ns
-    [[ -n "${pids[slurmctld]:-}" ]] && stop_procs "${pids[slurmctld]}"
-    local slurmds=()
-    for name in "${!pids[@]}"; do [[ "$name" == slurmd-* ]] && slurmds+=("${pids[$name]}"); done
-    ((${#slurmds[@]})) && stop_procs "${slurmds[@]}"
+    # Order matters: the controller and the slurmds are told first (so the controller does
+    # not react to nodes vanishing one by one), then whatever still runs on the nodes is
+    # stopped, then accounting, and last its database and munge, which slurmdbd needs while
+    # it stops. slurmctld takes about 2 s to exit on SIGTERM: we wait for it last, so that
+    # the rest happens meanwhile.
+    local name ns slurmds=()
+    for name in "${!pids[@]}"; do
+        [[ "$name" == slurmd-* ]] && slurmds+=("${pids[$name]}")
+    done
+    [[ -n "${pids[slurmctld]:-}" ]] && term_procs "${pids[slurmctld]}"
+    ((${#slurmds[@]})) && stop_procs 10 "${slurmds[@]}"
+    # slurmd leaves slurmstepd and the jobs running when it stops (by design: slurmd may
+    # be restarted under running jobs). They get 2 s, then SIGKILL.
     local leftovers=()
     for ns in "${netns[@]+"${netns[@]}"}"; do
         [[ "$ns" == "$HEAD_NS" ]] && continue
         mapfile -t -O "${#leftovers[@]}" leftovers < <(namespace_procs "$ns")
     done
-    ((${#leftovers[@]})) && stop_procs "${leftovers[@]}"
-    for name in slurmdbd mariadbd munged; do
-        [[ -n "${pids[$name]:-}" ]] && stop_procs "${pids[$name]}"
+    ((${#leftovers[@]})) && stop_procs 2 "${leftovers[@]}"
+    [[ -n "${pids[slurmdbd]:-}" ]] && stop_procs 10 "${pids[slurmdbd]}"
+    local last=()
+    for name in mariadbd munged; do
+        [[ -n "${pids[$name]:-}" ]] && last+=("${pids[$name]}")
     done
+    ((${#last[@]})) && stop_procs 10 "${last[@]}"
+    [[ -n "${pids[slurmctld]:-}" ]] && finish_procs 10 "${pids[slurmctld]}"
+    wait_reaped "${pids[@]}" "${leftovers[@]+"${leftovers[@]}"}"
 
     # Client processes started on the login node by `exec` or the shims are the caller's,
     # not ours: they are left alone (they fail once slurmctld is gone). Deleting a namespace
@@ -513,10 +562,11 @@ check_state_dir() {
 }
 
 take_lock() {
-    # Two `up`s at once (say, two test sessions) must not both build a cluster.
-    mkdir -p "$(dirname "$LOCK")"
-    exec 9>"$LOCK"
-    flock -w 300 9 || die 1 "another devcluster.sh holds $LOCK"
+    # Two `up`s or `down`s at once (say, two test sessions) must not interleave. The lock is
+    # this script file itself: no lock file to leave behind, and since the namespace names
+    # are fixed there is one cluster per machine anyway, whatever the state dir.
+    exec 9<"$SCRIPT"
+    flock -w 300 9 || die 1 "another devcluster.sh up/down is still running (lock on $SCRIPT)"
 }
 
 UP_IN_PROGRESS=0
@@ -543,6 +593,7 @@ cmd_up() {
     done
     [[ "$nodes" =~ ^[1-9]$ ]] || die 1 "--nodes must be 1..$MAX_NODES, got '$nodes'"
     [[ "$cpus" =~ ^[1-9][0-9]*$ ]] || die 1 "--cpus must be a positive integer, got '$cpus'"
+    [[ "$TIMEOUT" =~ ^[0-9]+$ ]] || die 1 "HPC_TRAIN_DEVCLUSTER_TIMEOUT must be whole seconds, got '$TIMEOUT'"
     require_root
     in_cluster_ns && die 1 "run 'up' from the root network namespace, not from inside the cluster"
     check_state_dir
@@ -604,7 +655,6 @@ cmd_down() {
     check_state_dir
     take_lock
     do_down "$keep_logs"
-    rm -f "$LOCK"
 }
 
 cmd_status() {
@@ -631,8 +681,10 @@ restore_caller_env() {
 cmd_exec() {
     (($#)) || die 1 "usage: $0 exec CMD [ARG...]"
     export SLURM_CONF="$CONF"
-    # Already on a cluster host (a job on a node, or a login-node shell): run it right here.
+    # Already on a cluster host (a job on a node, or a login-node shell): run it right here,
+    # with the SLURM_CONF the job inherited from its submitter if there is one.
     if in_cluster_ns; then
+        export SLURM_CONF="${CALLER_SLURM_CONF:-$CONF}"
         restore_caller_env
         exec "$@"
     fi
@@ -646,6 +698,7 @@ cmd_exec() {
 }
 
 cmd_env() {
+    # shellcheck disable=SC2016  # "$PATH" is for the caller's eval to expand
     printf 'export PATH=%q:"$PATH";\n' "$SHIM_DIR"
     printf 'export SLURM_CONF=%q;\n' "$CONF"
     printf 'export HPC_TRAIN_DEVCLUSTER_DIR=%q;\n' "$STATE_DIR"

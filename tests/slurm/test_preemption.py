@@ -1,0 +1,176 @@
+"""Preemption, time limits, budgets and dead ranks, end to end on the real local cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from slurm_helpers import ROOT, assert_bitwise, export, losses
+
+pytestmark = pytest.mark.slurm
+
+# Long enough to be preempted twice: ~3000 steps of the ConvNet on digits, about 40 s of steps.
+BASE = [str(ROOT / "jobs" / "digits.yaml"), "--set", "train.log_every=1", "--set", "log.tensorboard=false",
+        "--set", "train.eval=false", "--set", "log.progress=lines"]
+
+
+def _steps(run_dir: Path) -> int:
+    try:
+        return max(losses(run_dir), default=0)
+    except FileNotFoundError:
+        return 0
+
+
+def _wait_steps(run_dir: Path, at_least: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _steps(run_dir) < at_least:
+        assert time.monotonic() < deadline, f"no progress past step {_steps(run_dir)} in {run_dir}"
+        time.sleep(0.5)
+
+
+def _stop_resume_pairs(run_dir: Path) -> list[tuple[int, int]]:
+    """(step saved at the stop, step the next run resumed from), from rank 0's log."""
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    saved = [int(s) for s in re.findall(r"checkpoint saved by \S+ at step (\d+)", log)]
+    resumed = [int(s) for s in re.findall(r"resumed from \S+: step (\d+)", log)]
+    return list(zip(saved, resumed))
+
+
+def _reference(slurm, tmp_path: Path, flags: list[str]) -> dict:
+    r = slurm.cli("run", *BASE, *flags, "--nproc", "2", "--run-dir", tmp_path / "ref", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return export(slurm, tmp_path / "ref", tmp_path / "ref.pt")
+
+
+def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monkeypatch):
+    flags = ["--set", "train.max_steps=2500"]
+    ref = _reference(slurm, tmp_path, flags)
+    run_dir = tmp_path / "job"
+    # The Python API, so the submitting side's submitit Job can be checked after the requeues.
+    for k, v in slurm.env.items():
+        monkeypatch.setenv(k, v)
+    from hpc_train.config import load
+    from hpc_train.submit import submit
+    cfg = load(BASE[0], BASE[2::2] + flags[1::2], {"job": {"nodes": 2, "partition": "low"}})
+    job = submit(cfg, run_dir=run_dir)
+    preempt_at = [300, 1200]
+    for i, step in enumerate(preempt_at):
+        slurm.wait_state(job.job_id, {"RUNNING"}, 120)
+        _wait_steps(run_dir, step, 180)
+        high = slurm.run("sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", "/dev/null",
+                         "--wrap", "sleep 2", check=True).stdout.strip()
+        slurm.wait_done(high, 180)
+    result = job.result()           # submitit sees the final run's result, not a stopped one
+    assert result["steps"] == 2500 and not result["stopped"]
+    runs = slurm.sacct(job.job_id)
+    assert [r["State"] for r in runs][-1] == "COMPLETED" and len(runs) == 3, runs
+    pairs = _stop_resume_pairs(run_dir)
+    assert len(pairs) == 2, pairs
+    assert all(saved == resumed for saved, resumed in pairs), pairs   # the next run starts at saved+1
+    counts = json.loads((run_dir / "requeue.json").read_text())["counts"]
+    assert counts == {"preemption": 2, "timeout": 0, "failure": 0}, counts
+    assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
+    # every step once in the metrics, with the uninterrupted run's loss
+    ref_losses, got = losses(tmp_path / "ref"), losses(run_dir)
+    assert got == ref_losses
+    status = slurm.cli("status", run_dir)
+    assert "restarts 2" in status.stdout and "preemption 2" in status.stdout, status.stdout
+
+
+def test_time_limit_requeues_itself_and_finishes_bitwise(slurm, tmp_path):
+    # A 1-minute limit with the signal 20 s ahead: slurmctld's 30 s tick puts the signal
+    # 10-40 s into each run, so ~45 s of steps need at least two runs.
+    flags = ["--set", "train.max_steps=3500", "--set", "checkpoint.every_steps=500"]
+    ref = _reference(slurm, tmp_path, flags)
+    run_dir = tmp_path / "job"
+    r = slurm.cli("submit", *BASE, *flags, "--nodes", "2", "--time", "1", "--signal-lead", "20",
+                  "--run-dir", run_dir, "--wait", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    runs = slurm.sacct(job)
+    assert len(runs) >= 2 and runs[-1]["State"] == "COMPLETED", runs
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert rec["counts"]["timeout"] == len(runs) - 1 and rec["counts"]["preemption"] == 0, rec
+    assert all(s == r for s, r in _stop_resume_pairs(run_dir))
+    assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
+
+
+def test_spent_time_limit_budget_ends_with_a_clear_state(slurm, tmp_path):
+    run_dir = tmp_path / "job"
+    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=100000", "--set", "job.requeue_timeout=0",
+                  "--nodes", "1", "--time", "1", "--signal-lead", "20", "--run-dir", run_dir, "--wait", timeout=300)
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    assert r.returncode == 1 and "FAILED" in r.stdout, r.stdout   # not COMPLETED: it did not finish
+    runs = slurm.sacct(job)
+    assert len(runs) == 1 and runs[0]["ExitCode"] == "3:0", runs
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert "timeout budget (0) spent, not requeued" in rec["final"]
+    out = "".join(p.read_text() for p in (run_dir / "submitit").glob(f"{job}_0_log.*"))
+    assert "NOT requeued: stopped by timeout" in out
+    # what was done is kept: a complete checkpoint at the step it stopped
+    saved = re.search(r"checkpoint saved by \S+ at step (\d+)", (run_dir / "logs" / "rank-0.log").read_text())
+    assert (run_dir / "checkpoints" / f"step-{saved.group(1)}" / "commit.json").exists()
+
+
+def test_finished_run_is_never_trained_again(slurm, tmp_path):
+    run_dir = tmp_path / "job"
+    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=20", "--nodes", "1", "--run-dir", run_dir, "--wait")
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    before = (run_dir / "metrics.jsonl").read_text()
+    slurm.run("scontrol", "requeue", job, check=True)     # a requeue after the end
+    slurm.wait_state(job, {"PENDING", "RUNNING"}, 30)
+    assert slurm.wait_done(job, 120) == "COMPLETED"
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert "not training again" in (run_dir / "logs" / "rank-0.log").read_text()
+    again = slurm.cli("submit", *BASE, "--set", "train.max_steps=20", "--nodes", "1", "--run-dir", run_dir)
+    assert again.returncode == 2 and "finished run" in again.stderr
+
+
+def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
+    run_dir = tmp_path / "sweep"
+    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=2500", "--nodes", "1", "--run-dir", run_dir,
+                  "--sweep", "seed=1,2")
+    assert r.returncode == 0, r.stderr
+    tasks = re.findall(r"submitted array task (\S+):", r.stdout)
+    assert len(tasks) == 2 and all("_" in t for t in tasks), r.stdout
+    for t in tasks:
+        slurm.wait_state(t, {"RUNNING"}, 120)
+    _wait_steps(run_dir / "task-0", 100, 120)
+    slurm.run("scancel", "--signal=USR2", tasks[0], check=True)   # what a preemption sends to one task
+    for t in tasks:
+        assert slurm.wait_done(t, 400) == "COMPLETED"
+    assert len(slurm.sacct(tasks[0])) == 2
+    assert len(slurm.sacct(tasks[1])) == 1
+    ev = json.loads((run_dir / "task-0" / "requeue.json").read_text())["events"]
+    assert ev[0]["key"].startswith(tasks[0] + ":"), ev
+    assert not (run_dir / "task-1" / "requeue.json").exists()
+
+
+def test_killed_rank_ends_the_job_and_failure_budget_resumes_it(slurm, tmp_path):
+    run_dir = tmp_path / "job"
+    timeout_s = 30
+    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=2000", "--set", "checkpoint.every_steps=200",
+                  "--set", f"dist.timeout_s={timeout_s}", "--set", "job.requeue_failure=1",
+                  "--nodes", "2", "--run-dir", run_dir)
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    slurm.wait_state(job, {"RUNNING"}, 120)
+    _wait_steps(run_dir, 500, 180)
+    line = next(x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if "on-node" in x)
+    pid = int(re.search(r"pid (\d+)", line).group(1))
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while slurm.state(job).split()[0] == "RUNNING" and time.monotonic() - killed < timeout_s + 60:
+        time.sleep(0.5)
+    ended_after = time.monotonic() - killed
+    assert ended_after < timeout_s + 30, f"the job kept running {ended_after:.0f}s after a rank died"
+    assert slurm.wait_done(job, 300) == "COMPLETED"
+    assert json.loads((run_dir / "requeue.json").read_text())["counts"]["failure"] == 1
+    assert re.search(r"resumed from \S+step-\d+: step \d+", (run_dir / "logs" / "rank-0.log").read_text())
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 2000
