@@ -118,6 +118,9 @@ def _from_plain(st: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+IO_THREADS = 2   # DCP FileSystemWriter threads per rank (see Checkpointer.save)
+
+
 def _dir_for(run_dir: Path, step: int) -> Path:
     return resume.ckpt_root(run_dir) / f"step-{step}"
 
@@ -136,6 +139,7 @@ class Checkpointer:
         self.last_save_t = time.monotonic()
         self.last_step = -1
         self.stats: list[dict[str, float]] = []
+        self.stager = None   # DCP's CPU staging, kept between async saves (see save)
 
     # -- schedule ----------------------------------------------------------------------------
     def due_by_time(self) -> bool:
@@ -167,9 +171,19 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
         state = {"model": model_sd, "optim": optim_sd,
                  "trainer": {"scheduler": trainer.scheduler.state_dict(), "progress": asdict(trainer.progress)}}
-        kw = dict(checkpoint_id=str(path), process_group=self.pg, no_dist=self.no_dist)
+        # IO_THREADS writer threads per rank: one thread's fsync overlaps another's serialization
+        # (measured, 234 MB on 2 ranks: fsync'd sync save 0.42 s with DCP's default 1 thread, 0.27 s with 2).
+        writer = dcp.FileSystemWriter(str(path), thread_count=IO_THREADS, sync_files=True)
+        kw = dict(storage_writer=writer, process_group=self.pg, no_dist=self.no_dist)
         if self.cfg.async_save and not blocking:
-            fut = dcp.async_save(state, **kw)
+            if self.stager is None:
+                # One stager for the run keeps its CPU copy of the state between saves, so a save copies
+                # into warm buffers instead of allocating the state's size again (DCP's default, a new
+                # stager per call). Measured on 234 MB: blocking 0.28 s -> 0.06 s (benchmarks/checkpoint.py).
+                # Safe: one save in flight (wait() above), so no write still reads the buffers.
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                self.stager = DefaultStager(StagingOptions(False, False, False, False))
+            fut = dcp.async_save(state, async_stager=self.stager, **kw)
             self.pending = (fut, step, t0)
         else:
             dcp.save(state, **kw)
@@ -223,6 +237,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
 
 # -- load --------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,9 +183,16 @@ def _coerce(path: str, f: dataclasses.Field, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UsageError(f"config: {path} must be an integer, got {value!r}")
     elif kind == "float":
+        if isinstance(value, str):
+            try:
+                value = float(value)   # YAML 1.1 reads 1e-3 (no dot) as a string, not a float
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UsageError(f"config: {path} must be a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):
+            raise UsageError(f"config: {path} must be a finite number, got {value!r}")
     elif kind == "str":
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise UsageError(f"config: {path} must be a string, got {value!r}")

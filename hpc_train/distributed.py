@@ -104,13 +104,18 @@ def _set_timeout(timeout: timedelta) -> None:
         log.debug("could not shorten the process group timeout; keeping the init timeout")
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
     """Destroy the group without the gloo exit hang (see the module docstring).
 
-    The caller must drop its own references to DDP-wrapped models first.
+    The caller must drop its own references to DDP-wrapped models first. After an error
+    (``clean=False``) there is no barrier: the peers are blocked in some other collective, and
+    waiting for them would hang this rank for the whole collective timeout instead of letting
+    it exit so the launcher (or srun) can stop the rest.
     """
     if not dist.is_initialized():
         return
+    if not clean:
+        return  # process exit releases the group; destroying it could block on the dead peers
     try:
         dist.barrier()
     except Exception:  # noqa: BLE001 - peers may be gone already; destroying is still right

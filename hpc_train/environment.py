@@ -31,8 +31,12 @@ from hpc_train.errors import UsageError
 
 # Derived ports live here; below 1024 is privileged, above ~60999 is the usual ephemeral range.
 PORT_BASE, PORT_SPAN = 20000, 40000
-# srun's batch step and extern step ids (Slurm prints them as "batch"/"extern" in some versions).
-_NON_SRUN_STEPS = {"4294967294", "4294967295", "4294967292", "batch", "extern"}
+# Step ids that are not srun tasks. Checked on Slurm 22.05: a batch script has SLURM_PROCID=0 but
+# no SLURM_STEP_ID at all (srun tasks get 0, 1, ...). Older or patched Slurms have been seen to
+# expose the batch/extern/interactive pseudo-steps (0xfffffffe/0xffffffff before 20.11;
+# 0xfffffffb/0xfffffffc/0xfffffffa after), or their names.
+_NON_SRUN_STEPS = {"4294967294", "4294967295", "4294967290", "4294967291", "4294967292",
+                   "batch", "extern", "interactive"}
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,12 @@ class NodeEnv:
             return f"{self.array_job_id}_{self.array_task_id}"
         return self.job_id
 
+    def to_dict(self) -> dict:
+        """Every field, plus ``requeue_target`` (what a requeue of this job must name)."""
+        return {**dataclasses.asdict(self), "requeue_target": self.requeue_target}
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
+        return json.dumps(self.to_dict(), indent=2)
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -153,7 +161,8 @@ def _from_rank_vars(env: Mapping[str, str], source: str) -> NodeEnv:
     return NodeEnv(
         source=source, rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
         node_rank=_int(env, "GROUP_RANK", rank // local_world), num_nodes=max(1, world // local_world),
-        master_addr=addr, master_port=_int(env, "MASTER_PORT", 29500), hosts=hosts, **ids,
+        master_addr=addr, master_port=derive_port(env, None) if env.get("MASTER_PORT") else 29500, hosts=hosts,
+        **ids,
     )
 
 

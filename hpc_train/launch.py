@@ -30,8 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str) -> list[subprocess.Popen]:
-    port = int(os.environ.get("MASTER_PORT") or free_port())
+def rendezvous_port(environ: dict[str, str] | None = None) -> int:
+    """``MASTER_PORT`` if set (checked: a bad value is a usage error, before anything is written),
+    else a port that is free now."""
+    environ = os.environ if environ is None else environ
+    if environ.get("MASTER_PORT"):
+        from hpc_train.environment import derive_port
+        return derive_port({"MASTER_PORT": environ["MASTER_PORT"]}, None)
+    return free_port()
+
+
+def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str, port: int) -> list[subprocess.Popen]:
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, HPC_TRAIN_LAUNCHER="local", RANK=str(rank), LOCAL_RANK=str(rank),
@@ -65,11 +74,24 @@ def _first_error(run_dir: Path, rank: int) -> str:
     return f"no error recorded; see {run_dir / 'logs' / f'rank-{rank}.log'}"
 
 
-def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest") -> int:
+# What a rank reports when it lost a peer: it is a victim, not the cause.
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed")
+
+
+def _culprit(run_dir: Path, ranks: list[int]) -> int:
+    """Among ranks seen failing in the same poll, the one that caused it: a rank whose error
+    says a peer went away is a victim of another rank's death."""
+    for rank in ranks:
+        if not any(s in _first_error(run_dir, rank).lower() for s in _PEER_LOST):
+            return rank
+    return ranks[0]
+
+
+def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest", port: int | None = None) -> int:
     """Start, supervise and reap the workers. Returns the exit code for the CLI."""
     for stale in (run_dir / "logs").glob("rank-*.error"):
         stale.unlink()
-    procs = _spawn(nproc, config_path, run_dir, resume)
+    procs = _spawn(nproc, config_path, run_dir, resume, rendezvous_port() if port is None else port)
     interrupts = {"n": 0, "sig": 0}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -86,22 +108,24 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest")
     try:
         failed: tuple[int, int] | None = None
         deadline = None
-        while any(p.poll() is None for p in procs):
+        # Poll every worker on every tick (not `any(p.poll() ...)`, which stops at the first one
+        # still running: rank 1's death went unseen for as long as rank 0 lived).
+        while [p.poll() for p in procs].count(None):
             if failed is None:
-                for rank, p in enumerate(procs):
-                    if p.returncode not in (None, 0):
-                        failed = (rank, p.returncode)
-                        _signal_all(procs, signal.SIGTERM)
-                        deadline = time.monotonic() + GRACE_S
-                        break
+                dead = [rank for rank, p in enumerate(procs) if p.returncode not in (None, 0)]
+                if dead:
+                    rank = _culprit(run_dir, dead)
+                    failed = (rank, procs[rank].returncode)
+                    _signal_all(procs, signal.SIGTERM)
+                    deadline = time.monotonic() + GRACE_S
             if deadline is not None and time.monotonic() > deadline:
                 _signal_all(procs, signal.SIGKILL)
             time.sleep(0.05)
         if failed is None:
-            for rank, p in enumerate(procs):
-                if p.returncode != 0:
-                    failed = (rank, p.returncode)
-                    break
+            dead = [rank for rank, p in enumerate(procs) if p.returncode != 0]
+            if dead:
+                rank = _culprit(run_dir, dead)
+                failed = (rank, procs[rank].returncode)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -38,8 +38,11 @@ class SlurmEntry:
     def __call__(self) -> Any:
         os.environ.setdefault("HPC_TRAIN_RESUME", self.resume)
         if self.fn is None:
-            from hpc_train.worker import run_worker
-            result = run_worker(self.cfg, self.run_dir)
+            from hpc_train.worker import exit_now, run_worker
+            try:
+                result = run_worker(self.cfg, self.run_dir)
+            except Exception:  # noqa: BLE001 - logged by run_worker; see exit_now for why not raise
+                exit_now(1)
             if requeue.requested(Path(self.run_dir)):
                 # Leave without a result (as submitit itself does when it requeues): the job is
                 # about to be requeued by the batch shell, and the submitting side's Job must

@@ -50,6 +50,7 @@ class Progress:
     last_loss: float = float("nan")
     last_eval_acc: float = float("nan")
     last_eval_loss: float = float("nan")
+    last_eval_step: int = -1
     finished: bool = False
 
 
@@ -264,13 +265,15 @@ class Trainer:
                 if p.batch_in_epoch >= self.batches_per_epoch:
                     if cfg.train.eval:
                         p.last_eval_loss, p.last_eval_acc = self.evaluate()
+                        p.last_eval_step = p.step
                         mon.eval(p.step, p.epoch, p.last_eval_loss, p.last_eval_acc)
                     p.epoch += 1
                     p.batch_in_epoch = 0
             if not stopped:
                 p.finished = True
-                if cfg.train.eval and math.isnan(p.last_eval_acc):
+                if cfg.train.eval and p.last_eval_step != p.step:   # max_steps ended mid-epoch
                     p.last_eval_loss, p.last_eval_acc = self.evaluate()
+                    p.last_eval_step = p.step
                     mon.eval(p.step, p.epoch, p.last_eval_loss, p.last_eval_acc)
                 if self.checkpointer is not None:
                     self.checkpointer.after_step(self, force=True)

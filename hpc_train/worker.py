@@ -77,6 +77,7 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
              env.restart_count)
     device = distributed.init(env, cfg.dist)
     trainer = None
+    clean = False
     try:
         if cfg.train.fn:
             from hpc_train.plugins import resolve
@@ -105,10 +106,11 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
                              result["wall_seconds"])
                 (rd / "stopped.json").unlink(missing_ok=True)
                 log.info("TensorBoard logs: tensorboard --logdir %s", rd / "tb")
+        clean = True
         return result
     finally:
         del trainer  # the DDP reducer must go before the group (see distributed.shutdown)
-        distributed.shutdown()
+        distributed.shutdown(clean)
 
 
 def _request_requeue(cfg: Config, env: environment.NodeEnv, rd: Path, result: dict, stop) -> str:
@@ -135,10 +137,13 @@ def run_callable(fn, args: tuple, kwargs: dict, run_dir: str | os.PathLike) -> A
     rd = Path(run_dir)
     setup_logging(env.rank, rd)
     distributed.init(env, DistSection())
+    clean = False
     try:
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        clean = True
+        return out
     finally:
-        distributed.shutdown()
+        distributed.shutdown(clean)
 
 
 def _resume(trainer, cfg: Config, env: environment.NodeEnv, rd: Path) -> None:
@@ -189,8 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir")
     args = ap.parse_args(argv)
     cfg = config_mod.load(args.config)
-    result = run_worker(cfg, args.run_dir or os.path.dirname(os.path.abspath(args.config)))
+    try:
+        result = run_worker(cfg, args.run_dir or os.path.dirname(os.path.abspath(args.config)))
+    except BaseException as e:  # noqa: BLE001 - the error is already in the rank's log and error file
+        exit_now(130 if isinstance(e, KeyboardInterrupt) else 2 if isinstance(e, UsageError) else 1)
     return 0 if not result.get("stopped") else int(os.environ.get("HPC_TRAIN_STOPPED_EXIT", "0"))
+
+
+def exit_now(code: int) -> None:
+    """Leave at once after a failure, skipping interpreter teardown.
+
+    A rank whose peers sit in a collective can hang at exit inside the gloo group's destructor;
+    it then never exits, so neither the local launcher nor ``srun --kill-on-bad-exit`` learns
+    of the failure until the collective timeout. The error is already logged and written.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monk
         high = slurm.run("sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", "/dev/null",
                          "--wrap", "sleep 2", check=True).stdout.strip()
         slurm.wait_done(high, 180)
-    result = job.result()           # submitit sees the final run's result, not a stopped one
+    result = job.results()[0]       # submitit sees the final run's result, not a stopped one
     assert result["steps"] == 2500 and not result["stopped"]
     runs = slurm.sacct(job.job_id)
     assert [r["State"] for r in runs][-1] == "COMPLETED" and len(runs) == 3, runs

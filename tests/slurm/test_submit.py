@@ -170,7 +170,9 @@ def test_shell_metacharacters_are_quoted(slurm, tmp_path, how):
             assert r.returncode == 0, r.stderr
             job = slurm.run("sbatch", "--parsable", str(script), check=True, cwd=tmp_path).stdout.strip()
             assert slurm.wait_done(job, 120) == "COMPLETED"
-            assert slurm.run("sacct", "-n", "-P", "-X", "-j", job, "-o", "JobName").stdout.strip() == name
+            # The name arrives intact (slurmdbd stores '"' as '`': accounting's own escaping).
+            shown = slurm.run("sacct", "-n", "-P", "-X", "-j", job, "-o", "JobName").stdout.strip()
+            assert shown == name.replace('"', "`")
         assert (run_dir / "result.json").exists()
     for marker in ("INJECTED", "INJECTED2", "INJECTED3"):
         for where in (tmp_path, ROOT, Path("/tmp"), Path("/root")):

@@ -1,0 +1,112 @@
+"""User plug-ins for the tests, named in configs as ``tests.plugins_for_tests:NAME``.
+
+They are what a user would write: a model builder ``f(ModelSection) -> nn.Module``, a dataset
+builder ``f(DataSection, seed) -> (train, test)``, and training functions
+``f(Config, NodeEnv, device) -> dict``. torch is imported inside the functions, so resolving
+this module (which ``run`` does before starting workers) stays cheap.
+
+Environment knobs (inherited by the workers from the test that starts ``run``):
+
+``HPC_TEST_MARK_DIR``
+    a builder that runs writes ``<builder>-rank<R>`` there, proving every rank used it.
+``HPC_TEST_SLOW_S``
+    :func:`slow_data` sleeps this long per training sample (a job slow enough to interrupt).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+SMALL_TRAIN, SMALL_TEST = 96, 32
+
+
+def _mark(what: str) -> None:
+    d = os.environ.get("HPC_TEST_MARK_DIR")
+    if d:
+        Path(d, f"{what}-rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+
+
+def tiny_model(cfg):
+    """A user's own model: 784 -> 16 -> 10."""
+    from torch import nn
+
+    _mark("tiny_model")
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def _tensors(n: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def small_data(cfg, seed: int):
+    """A user's own dataset: exactly SMALL_TRAIN training and SMALL_TEST test samples."""
+    from torch.utils.data import TensorDataset
+
+    _mark("small_data")
+    x, y = _tensors(SMALL_TRAIN + SMALL_TEST, seed)
+    return TensorDataset(x[:SMALL_TRAIN], y[:SMALL_TRAIN]), TensorDataset(x[SMALL_TRAIN:], y[SMALL_TRAIN:])
+
+
+class _Slow:
+    """A map-style dataset whose every training sample costs ``delay`` seconds to load."""
+
+    def __init__(self, x, y, delay: float) -> None:
+        self.x, self.y, self.delay = x, y, delay
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.x[i], self.y[i]
+
+
+def slow_data(cfg, seed: int):
+    """Training samples slowed by ``HPC_TEST_SLOW_S`` (0 when unset); the test split is fast."""
+    from torch.utils.data import TensorDataset
+
+    n = cfg.synthetic_size
+    x, y = _tensors(n + 32, seed)
+    delay = float(os.environ.get("HPC_TEST_SLOW_S", "0"))
+    return _Slow(x[:n], y[:n], delay), TensorDataset(x[n:], y[n:])
+
+
+def _pid_file(cfg, env) -> None:
+    Path(cfg.run_dir, f"pid-rank{env.rank}").write_text(str(os.getpid()))
+
+
+def die_on_rank1(cfg, env, device):
+    """Rank 1 raises; rank 0 waits for it in a collective that will never complete."""
+    import torch
+    import torch.distributed as dist
+
+    _pid_file(cfg, env)
+    dist.barrier()                       # both pid files exist before anyone dies
+    if env.rank == 1:
+        raise RuntimeError("boom from rank 1: the user's training function failed")
+    t = torch.ones(1)
+    dist.all_reduce(t)                   # rank 1 never joins
+    time.sleep(600)
+    return {"unreachable": True}
+
+
+def exit_on_rank1(cfg, env, device):
+    """Rank 1 vanishes with exit code 3 (no exception, no error file); rank 0 waits for it in a
+    collective."""
+    import torch
+    import torch.distributed as dist
+
+    _pid_file(cfg, env)
+    dist.barrier()
+    if env.rank == 1:
+        os._exit(3)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    time.sleep(600)
+    return {"unreachable": True}

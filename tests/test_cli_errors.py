@@ -1,0 +1,99 @@
+"""Bad input: exit code 2, exactly one line on stderr that names the field or flag, no traceback,
+and nothing written.
+
+Each case runs the real command in a subprocess. "Nothing written" is checked on the whole
+temporary directory the case works in (its run directory must not appear) and, for a run
+directory that already exists, on every file in it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+FILES = {
+    "malformed.yaml": "optim:\n  lr: [0.1, 0.2\n",
+    "list.yaml": "- optim\n- data\n",
+    "unknown.yaml": "data:\n  batchsize: 8\n",
+    "wrongtype.yaml": "data:\n  batch_size: big\n",
+}
+
+# (id, argv, extra environment, substrings the one line must contain). {tmp} and {run} are
+# filled in per test: the case's temporary directory and a run directory inside it.
+RUN = ("run", "jobs/digits.yaml", "--run-dir", "{run}")
+CASES = [
+    ("missing-config-file", ("run", "{tmp}/nope.yaml", "--run-dir", "{run}"), {}, ("config file not found", "nope.yaml")),
+    ("config-is-a-directory", ("run", "{tmp}", "--run-dir", "{run}"), {}, ("config file not found",)),
+    ("malformed-yaml", ("run", "{tmp}/malformed.yaml", "--run-dir", "{run}"), {}, ("not valid YAML", "line")),
+    ("yaml-not-a-mapping", ("run", "{tmp}/list.yaml", "--run-dir", "{run}"), {}, ("mapping",)),
+    ("unknown-key", (*RUN, "--set", "optim.lrr=0.1"), {}, ("optim.lrr", "did you mean 'lr'", "valid keys")),
+    ("unknown-key-in-file", ("run", "{tmp}/unknown.yaml", "--run-dir", "{run}"), {},
+     ("data.batchsize", "did you mean 'batch_size'")),
+    ("unknown-section", (*RUN, "--set", "optimizer.lr=0.1"), {}, ("optimizer", "did you mean 'optim'")),
+    ("wrong-type", (*RUN, "--set", "data.batch_size=abc"), {}, ("data.batch_size", "integer")),
+    ("wrong-type-in-file", ("run", "{tmp}/wrongtype.yaml", "--run-dir", "{run}"), {}, ("data.batch_size",)),
+    ("out-of-range", (*RUN, "--set", "data.test_fraction=0.95"), {}, ("data.test_fraction", "<= 0.9")),
+    ("bad-set-syntax-no-equals", (*RUN, "--set", "optim.lr"), {}, ("--set", "section.key=value")),
+    ("bad-set-syntax-no-key", (*RUN, "--set", "=0.1"), {}, ("--set",)),
+    ("unknown-model", (*RUN, "--set", "model.name=resnet"), {}, ("model.name", "convnet")),
+    ("unknown-dataset", (*RUN, "--set", "data.name=imagenet"), {}, ("data.name", "digits")),
+    ("import-path-module-missing", (*RUN, "--set", "model.name=no_such_pkg_hpc.models:build"), {},
+     ("model.name", "no_such_pkg_hpc")),
+    ("import-path-attribute-missing", (*RUN, "--set", "data.name=tests.plugins_for_tests:no_such_builder"), {},
+     ("data.name", "no_such_builder")),
+    ("train-fn-does-not-resolve", (*RUN, "--set", "train.fn=json:no_such_fn"), {}, ("train.fn", "no_such_fn")),
+    ("import-path-malformed", (*RUN, "--set", "train.fn=not a path"), {}, ("train.fn", "import path")),
+    ("nproc-0", (*RUN, "--nproc", "0"), {}, ("--nproc",)),
+    ("nproc-not-a-number", (*RUN, "--nproc", "two"), {}, ("--nproc",)),
+    ("negative-batch-size", (*RUN, "--set", "data.batch_size=-4"), {}, ("data.batch_size", ">= 1")),
+    ("nothing-to-train", (*RUN, "--set", "train.epochs=0", "--set", "train.max_steps=0"), {},
+     ("train.epochs", "train.max_steps")),
+    ("nccl-without-gpus", (*RUN, "--set", "dist.backend=nccl"), {}, ("dist.backend=nccl", "gloo")),
+    ("bad-log-level", (*RUN, "--set", "log.level=VERBOSE"), {}, ("log.level", "INFO")),
+    ("resume-path-missing", (*RUN, "--resume", "/does/not/exist"), {}, ("--resume", "/does/not/exist")),
+    ("run-bad-master-port", RUN, {"MASTER_PORT": "abc"}, ("MASTER_PORT",)),
+    ("unknown-flag", (*RUN, "--nprocs", "2"), {}, ("--nprocs",)),
+    ("unknown-command", ("train", "jobs/digits.yaml"), {}, ("invalid choice", "train")),
+    ("ckpt-list-nonexistent", ("ckpt", "list", "/nonexistent/run"), {}, ("ckpt", "/nonexistent/run")),
+    ("env-master-port-not-a-number", ("env",), {"MASTER_PORT": "abc"}, ("MASTER_PORT", "abc")),
+    ("env-master-port-privileged", ("env", "--json"), {"MASTER_PORT": "80"}, ("MASTER_PORT", "1024")),
+]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"<dir>") for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("argv,extra_env,needles", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(run_cli, clean_env, tmp_path, argv, extra_env, needles):
+    if "dist.backend=nccl" in argv:
+        torch = pytest.importorskip("torch")
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA devices: nccl is valid here")
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
+    run_dir = tmp_path / "run"
+    before = snapshot(tmp_path)
+    r = run_cli(*(a.format(tmp=tmp_path, run=run_dir) for a in argv), env=clean_env(**extra_env), timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    missing = [n for n in needles if n not in lines[0]]
+    assert not missing, f"{lines[0]!r} lacks {missing}"
+    assert r.stdout == ""
+    assert not run_dir.exists()
+    assert snapshot(tmp_path) == before
+
+
+def test_an_existing_run_directory_is_left_unchanged(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("seed: 1\n")
+    (run_dir / "logs" / "rank-0.log").write_text("an earlier run\n")
+    before = snapshot(tmp_path)
+    for bad in (("--set", "optim.lr=oops"), ("--nproc", "0"), ("--set", "model.name=nope.mod:fn")):
+        r = run_cli("run", "jobs/digits.yaml", "--run-dir", run_dir, *bad)
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert snapshot(tmp_path) == before
