@@ -136,6 +136,10 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
         req = json.loads(pending.read_text())
         pending.unlink()
         ok, detail = _scontrol_requeue(req["target"])
+        if ok:
+            rec = _load(run_dir)
+            rec.setdefault("requeued_at", []).append(time.time())
+            _save(run_dir, rec)
         return (f"requeued {req['target']} ({req['cause']})" if ok
                 else f"NOT requeued: scontrol requeue {req['target']} failed: {detail}")
     final = _load(run_dir).get("final")

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,12 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
         result.update(world_size=env.world_size)
         if env.is_main:
             if result.get("stopped"):
+                # Timeline of the stop, for `status` and benchmarks/preemption.py.
+                result["stop_received_at"] = stop.received_at
+                result["checkpoint_committed_at"] = time.time()   # the stop's save is blocking
                 if env.job_id and not cfg.train.fn:
                     result["requeue"] = _request_requeue(cfg, env, rd, result, stop)
+                    result["requeue_requested_at"] = time.time()
                 write_json_atomic(rd / "stopped.json", result)
                 saved = cfg.checkpoint.enabled and not cfg.train.fn
                 log.info("%s by %s at step %d", "checkpoint saved" if saved else "stopped",

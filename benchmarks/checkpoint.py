@@ -1,0 +1,263 @@
+"""Checkpoint benchmark (issue 3): what a save costs, against what the disk can do.
+
+One run, 2 gloo ranks (torch.multiprocessing), the real hpc_train Trainer holding an MLP whose
+model + Adam state is >= 200 MB, saved through the real ``hpc_train.checkpoint.Checkpointer``:
+
+* **sync save**: ``Checkpointer.save(blocking=True)``: rank files, DCP shards from both ranks
+  (fsync'd by DCP), ``.metadata``, then rank 0's commit record (fsync'd, directory fsync'd).
+* **async blocking**: how long ``Checkpointer.save()`` with ``dcp.async_save`` holds the training
+  loop (until it returns); **async total**: until the background write is committed.
+* **torch.save (rank 0)**: the same model + optimizer state, consolidated, written by rank 0 alone
+  with ``torch.save`` and fsync'd.
+* **disk write**: the same number of bytes as the DCP checkpoint, written sequentially in 16 MiB
+  blocks into the same directory, then fsync'd: by 1, 2 and 4 concurrent writers (DCP here uses
+  2 ranks x 2 writer threads).
+* **load**: ``hpc_train.checkpoint.load`` on both ranks (what a resume does), with the checkpoint's
+  pages evicted from the page cache first (``posix_fadvise(DONTNEED)``, our files only) and warm.
+
+Each is repeated (``--repeats``) and the medians are printed, with the ratios the issue sets as
+targets: async blocking / sync save <= 0.05; sync save throughput / disk bandwidth >= 0.7 (the
+bandwidth is the best of the 1, 2 and 4 writer figures, so the ratio is not flattered). Baselines
+with DCP's own defaults (``dcp.save`` / ``dcp.async_save`` with no writer or stager given) show
+what the Checkpointer's settings buy. Other processes on the machine add noise: see all runs.
+
+    python benchmarks/checkpoint.py [--hidden 24576] [--repeats 7] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+BLOCK = 16 * 2**20
+ROWS = [("sync_save", "sync DCP save (Checkpointer, blocking)", True),
+        ("async_block", "async save: blocks training for", False),
+        ("async_total", "async save: until committed", True),
+        ("raw_sync", "  baseline: dcp.save, DCP defaults", True),
+        ("raw_async_block", "  baseline: dcp.async_save blocks for", False),
+        ("torch_save", "torch.save on rank 0 (+fsync)", True),
+        ("disk_1", "disk write+fsync, 1 writer", True),
+        ("disk_2", "disk write+fsync, 2 writers", True),
+        ("disk_4", "disk write+fsync, 4 writers", True),
+        ("load_cold", "load (resume), cold page cache", True),
+        ("load_warm", "load (resume), warm page cache", True)]
+KEYS = [r[0] for r in ROWS]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
+def _evict(path: Path) -> None:
+    """Drop one checkpoint's pages from the page cache (clean pages: they were fsync'd)."""
+    for f in Path(path).iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _write_fsync(path: Path, nbytes: int, block: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[: min(left, len(block))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
+                      HPC_TRAIN_LAUNCHER="local")
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        del os.environ[k]
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from hpc_train import checkpoint, config, distributed, environment
+    from hpc_train.monitor import setup_logging
+    from hpc_train.trainer import Trainer
+
+    root = Path(args.dir)
+    run_dir = root / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(rank, None, "WARNING")
+    cfg = config.load(None, [f"model.name=mlp", f"model.hidden={args.hidden}", "data.name=synthetic",
+                             "data.synthetic_size=64", "data.batch_size=8", "train.max_steps=1", "train.eval=false",
+                             "log.tensorboard=false", "log.progress=lines", "checkpoint.keep=1000",
+                             f"checkpoint.async_save=true", f"run_dir={run_dir}"])
+    env = environment.current()
+    device = distributed.init(env, cfg.dist)
+    trainer = Trainer(cfg, env, device, run_dir)
+    trainer.fit()                                       # one real step: Adam's moments exist
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    tensors = [*model_sd.values(), *(v for per_param in optim_sd["state"].values() for v in per_param.values())]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    ck = checkpoint.Checkpointer(cfg, run_dir, rank, world)
+    pg = ck.pg
+    block = os.urandom(BLOCK)
+
+    def timed(fn) -> float:
+        """Wall time of fn on the slowest rank, from a common start."""
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier(group=pg)
+        return time.perf_counter() - t0
+
+    res: dict[str, list[float]] = {k: [] for k in KEYS}
+    ckpt_bytes = 0
+    step = 1000
+    for rep in range(args.repeats + 1):                 # round 0 warms up (allocations, first-call costs)
+        keep = rep > 0
+        step += 1
+        trainer.progress.step = step
+        t = timed(lambda: ck.save(trainer, blocking=True))
+        sync_dir = checkpoint._dir_for(run_dir, step)
+        ckpt_bytes = _dir_bytes(sync_dir)
+
+        step += 1
+        trainer.progress.step = step
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        ck.save(trainer, blocking=False)
+        blocked = torch.tensor([time.perf_counter() - t0])
+        ck.wait()
+        dist.barrier(group=pg)
+        total = time.perf_counter() - t0
+        dist.all_reduce(blocked, op=dist.ReduceOp.MAX, group=pg)
+
+        # Baselines: the same state with DCP's defaults (1 writer thread; a new stager per async save).
+        raw = {"model": model_sd, "optim": optim_sd}
+        t_raw = timed(lambda: dcp.save(raw, checkpoint_id=str(root / f"raw-{step}"), process_group=pg))
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        fut = dcp.async_save(raw, checkpoint_id=str(root / f"raw-async-{step}"), process_group=pg)
+        raw_blocked = torch.tensor([time.perf_counter() - t0])
+        fut.result()
+        dist.barrier(group=pg)
+        dist.all_reduce(raw_blocked, op=dist.ReduceOp.MAX, group=pg)
+        if rank == 0:
+            shutil.rmtree(root / f"raw-{step}")
+            shutil.rmtree(root / f"raw-async-{step}")
+
+        def torch_save() -> None:
+            if rank == 0:
+                f = root / "torch_save.pt"
+                with open(f, "wb") as fh:
+                    torch.save({"model": model_sd, "optim": optim_sd}, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                f.unlink()
+        t_ts = timed(torch_save)
+
+        def disk(writers: int):
+            """``writers`` concurrent streams in all (threads, spread over the ranks), each writing
+            its share of the checkpoint's bytes to its own file, then fsync."""
+            mine = [w for w in range(writers) if w % world == rank]
+
+            def one(w: int) -> None:
+                f = root / f"bw-{w}.bin"
+                _write_fsync(f, ckpt_bytes // writers, block)
+                f.unlink()
+
+            def go() -> None:
+                threads = [threading.Thread(target=one, args=(w,)) for w in mine]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+            return go
+        t_d1 = timed(disk(1))
+        t_d2 = timed(disk(2))
+        t_d4 = timed(disk(4))
+
+        if rank == 0:
+            _evict(sync_dir)
+        t_cold = timed(lambda: checkpoint.load(trainer, sync_dir, world))
+        t_warm = timed(lambda: checkpoint.load(trainer, sync_dir, world))
+        if rank == 0:                                   # keep the disk tidy between rounds
+            shutil.rmtree(sync_dir)
+            shutil.rmtree(checkpoint._dir_for(run_dir, step))
+        if keep:
+            for k, v in zip(KEYS, (t, float(blocked), total, t_raw, float(raw_blocked), t_ts, t_d1, t_d2, t_d4,
+                                   t_cold, t_warm)):
+                res[k].append(v)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"results": res, "state_bytes": state_bytes, "ckpt_bytes": ckpt_bytes,
+                                         "torch": torch.__version__}))
+    del trainer
+    distributed.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=24576, help="MLP hidden width (24576: ~234 MB with Adam)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory under runs/)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch.multiprocessing as mp
+
+    base = Path(args.dir) if args.dir else Path("runs")
+    base.mkdir(parents=True, exist_ok=True)
+    args.dir = tempfile.mkdtemp(prefix="bench-ckpt-", dir=base)
+    out = Path(args.dir) / "result.json"
+    try:
+        mp.spawn(_worker, args=(args.nproc, _free_port(), args, str(out)), nprocs=args.nproc, join=True)
+        data = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in data["results"].items()}
+    nb = data["ckpt_bytes"]
+    mb = 1e6
+    bws = {n: nb / med[f"disk_{n}"] for n in (1, 2, 4)}
+    bw = max(bws.values())
+    sync_tp = nb / med["sync_save"]
+    print(f"checkpoint benchmark: torch {data['torch']}, {args.nproc} gloo ranks, MLP hidden {args.hidden} + Adam: "
+          f"state {data['state_bytes'] / mb:.0f} MB, DCP checkpoint on disk {nb / mb:.0f} MB; "
+          f"median of {args.repeats} (after 1 warm-up), directory {base.resolve()}")
+    print(f"{'measurement':42} {'median s':>9} {'MB/s':>8}   all runs (s)")
+    for key, name, has_bytes in ROWS:
+        sec = med[key]
+        runs = " ".join(f"{x:.3f}" for x in data["results"][key])
+        rate = f"{nb / sec / mb:8.0f}" if has_bytes else f"{'-':>8}"
+        print(f"{name:42} {sec:9.3f} {rate}   {runs}")
+    r1 = med["async_block"] / med["sync_save"]
+    r2 = sync_tp / bw
+    print(f"async blocking / sync save           = {r1:.3f}  (target <= 0.05: {'met' if r1 <= 0.05 else 'MISSED'})")
+    print(f"sync save throughput / disk bandwidth = {r2:.2f}   (target >= 0.7: {'met' if r2 >= 0.7 else 'MISSED'}; "
+          f"{sync_tp / mb:.0f} MB/s vs the best disk figure, {bw / mb:.0f} MB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Helpers for the checkpoint tests: real `python -m hpc_train` processes on real disk.
+
+Nothing here is a mock. Runs are started exactly as a user starts them (``run CONFIG --nproc N
+--run-dir D --set ...``); the only test-only mechanism is ``HPC_TRAIN_TEST_STOP_AT_STEP`` (see
+hpc_train/trainer.py), which makes rank 0 send a real SIGTERM to the ``run`` launcher at a chosen
+step, so the real signal path (launcher -> every rank -> agreed stop -> save) is exercised at a
+deterministic step instead of racing a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small, fast and still meaningful: dropout > 0 so the RNG state matters, real shuffling.
+BASE: dict[str, Any] = {
+    "seed": 3,
+    "data": {"name": "synthetic", "synthetic_size": 512, "batch_size": 16, "num_workers": 0},
+    "model": {"name": "mlp", "hidden": 32, "dropout": 0.25},
+    "optim": {"name": "adam", "lr": 3e-3, "schedule": "cosine", "warmup_steps": 3, "grad_clip": 1.0},
+    "train": {"max_steps": 12, "log_every": 1, "eval": False},
+    "checkpoint": {"every_steps": 5, "keep": 2},
+    "log": {"tensorboard": False, "progress": "lines"},
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = json.loads(json.dumps(base))
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def write_config(path: Path, over: dict | None = None) -> Path:
+    path.write_text(yaml.safe_dump(merge(BASE, over or {})))
+    return path
+
+
+_LAUNCH_VARS = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without Slurm, torchrun or launcher variables (the tests may run inside a job)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "HPC_TRAIN_", "TORCHELASTIC_")) and k not in _LAUNCH_VARS}
+    env["PYTHONPATH"] = str(REPO)
+    env.update(extra)
+    return env
+
+
+def hpc(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m hpc_train ARGS`` in a fresh process; output captured. ``timeout`` only guards
+    against a hang (a run here takes seconds); on expiry the workers, which live in their own
+    sessions, are killed too, so nothing is left behind."""
+    p = subprocess.Popen([sys.executable, "-m", "hpc_train", *map(str, args)], cwd=REPO, env=env or clean_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill9_workers(p.pid)
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"hung: {' '.join(map(str, args))} still running after {timeout}s; killed.\n"
+                             f"{err[-6000:]}") from None
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def run(config: Path, run_dir: Path, *, nproc: int = 2, stop_at: str | int | None = None, resume: str | None = None,
+        sets: tuple[str, ...] = (), timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m hpc_train run CONFIG --nproc N --run-dir D``; ``stop_at`` delivers a real SIGTERM to it
+    at that step ("K" or "K:M": after micro-batch M of step K)."""
+    args = ["run", str(config), "--nproc", str(nproc), "--run-dir", str(run_dir)]
+    if resume is not None:
+        args += ["--resume", resume]
+    for s in sets:
+        args += ["--set", s]
+    env = clean_env(**({"HPC_TRAIN_TEST_STOP_AT_STEP": str(stop_at)} if stop_at is not None else {}))
+    return hpc(*args, env=env, timeout=timeout)
+
+
+def show(p: subprocess.CompletedProcess) -> str:
+    return f"exit {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-6000:]}"
+
+
+def steps(run_dir: Path) -> list[int]:
+    """Step directories present, newest first (complete or not)."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted((int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit()), reverse=True)
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss from metrics.jsonl; fails if a training step appears more than once."""
+    out: dict[int, float] = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            assert rec["step"] not in out, f"step {rec['step']} appears twice in metrics.jsonl"
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def export(run_dir: Path, out: Path, step: int | None = None) -> dict:
+    """``ckpt export`` in a fresh process, then plain ``torch.load(weights_only=True)``."""
+    import torch
+    p = hpc("ckpt", "export", run_dir, out, *(["--step", str(step)] if step is not None else []))
+    assert p.returncode == 0, show(p)
+    return torch.load(out, weights_only=True)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    import torch
+    assert sorted(a) == sorted(b)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"tensors not bitwise equal: {differ}"
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """relative path -> (size, mtime_ns) of every file under root."""
+    root = Path(root)
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            # pid (comm) state ppid ...; comm may contain spaces, so split after the last ')'
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def kill9_workers(launcher_pid: int) -> list[int]:
+    """SIGKILL every worker of a `run` launcher, each with its process group (its loader workers)."""
+    pids = children(launcher_pid)
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)   # workers are session leaders (start_new_session=True)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def load_full(path: Path) -> dict[str, Any]:
+    """Load *everything* in a checkpoint (model, optimizer, schedule, progress) in this process,
+    through hpc_train's safe reader, as resume does; returns the flat state."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hpc_train.checkpoint import SafePlanner, SafeReader
+    unset = object()
+    meta = SafeReader(str(path)).read_metadata()
+    state: dict[str, Any] = {}
+    for fqn, md in meta.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            state[fqn] = unset
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
+    missing = [k for k, v in state.items() if v is unset]
+    assert not missing, f"{path}: items not loaded: {missing}"
+    for r in range(int(json.loads((Path(path) / "commit.json").read_text())["world_size"])):
+        torch.load(Path(path) / f"rank-{r}.pt", weights_only=True)
+    return state
+
+
+def tb_scalar_steps(run_dir: Path, tag: str = "train/loss") -> tuple[list[int], list[int]]:
+    """Steps of ``tag`` as TensorBoard shows them (EventAccumulator, default purging), and as
+    written, honouring only the writer's own purge markers (a SessionLog START at the purge step:
+    what SummaryWriter(purge_step=...) writes). The second catches doubled segments that
+    TensorBoard's out-of-order heuristics would otherwise hide."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+
+    tb = Path(run_dir) / "tb"
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    acc.Reload()
+    shown = [e.step for e in acc.Scalars(tag)]
+    written: list[int] = []
+    for f in sorted(tb.glob("events.out.tfevents.*")):
+        for ev in EventFileLoader(str(f)).Load():
+            if ev.HasField("session_log") and ev.session_log.status == SessionLog.START:
+                written = [s for s in written if s < ev.step]
+            for v in ev.summary.value:
+                if v.tag == tag:
+                    written.append(ev.step)
+    return shown, written
