@@ -21,6 +21,7 @@ import logging
 import pickle
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from hpc_train.trainer import Trainer
 
 log = logging.getLogger("hpc_train")
+# DCP says so on every single-process save/load; that is the intent here, so it is noise.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(RuntimeError):

@@ -175,7 +175,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = cfg.resolved_run_dir().absolute()
     cfg.run_dir = str(run_dir)
     from hpc_train import resume
-    plan = resume.plan(run_dir, args.resume, cfg)   # refuses bad resumes before anything is written
+    # Refuses bad resumes before anything is written; names any checkpoint it skips.
+    plan = resume.plan(run_dir, args.resume, cfg, warn=lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr))
     if plan.finished:
         print(f"hpc_train: {run_dir} holds a finished run ({run_dir / 'result.json'}); nothing to do. "
               f"Use another --run-dir to train again.", file=sys.stderr)
@@ -203,8 +204,8 @@ def _lazy(target: str):
 COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_worker,
             "submit": _lazy("hpc_train.submit:cmd_submit"), "sbatch": _lazy("hpc_train.sbatch:cmd_sbatch"),
             "status": _lazy("hpc_train.jobs:cmd_status"), "logs": _lazy("hpc_train.jobs:cmd_logs"),
-            "cancel": _lazy("hpc_train.jobs:cmd_cancel"),
-            "requeue-hook": lambda a: __import__("hpc_train.requeue", fromlist=["main"]).main([a.run_dir, str(a.status)]), "ckpt": _lazy("hpc_train.ckpt_cli:cmd_ckpt")}
+            "cancel": _lazy("hpc_train.jobs:cmd_cancel"), "ckpt": _lazy("hpc_train.ckpt_cli:cmd_ckpt"),
+            "requeue-hook": _lazy("hpc_train.requeue:cmd_requeue_hook")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ class StopRequest:
         self.signum: int | None = None
         self.received_at: float | None = None
         self.count = 0
+        self._installed: list[int] = []
 
     @property
     def requested(self) -> bool:
@@ -49,7 +50,19 @@ class StopRequest:
             log.warning("not on the main thread; stop signals are not handled")
             return
         for name in dict.fromkeys(signals):
-            signal.signal(getattr(signal, f"SIG{name}"), self._handler)
+            sig = getattr(signal, f"SIG{name}")
+            signal.signal(sig, self._handler)
+            self._installed.append(sig)
+
+    def ignore_further(self) -> None:
+        """After the last step: ignore the job's stop signals for good (SIG_IGN survives
+        interpreter teardown, a Python handler does not). SIGTERM and SIGINT are left as they
+        are, so the scheduler and the user can still end the process."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self._installed:
+            if sig not in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
 
     def request(self, signum: int = signal.SIGTERM) -> None:
         """Ask for a stop from code (tests, a user's callback): same path as a signal."""

@@ -120,31 +120,37 @@ def _scontrol_requeue(target: str) -> tuple[bool, str]:
     return out.returncode == 0, (out.stderr or out.stdout).strip()
 
 
-UNFINISHED = 3   # the hook's exit code for "stopped before the end and not requeued"
+UNFINISHED = 3   # the job's exit code for "stopped before the end and not requeued"
 
 
 def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
-         budgets: dict[str, int] | None = None) -> str:
-    """The batch shell's step after srun: issue the one requeue, or say why there is none."""
+         budgets: dict[str, int] | None = None) -> tuple[str, int]:
+    """The batch shell's step after srun: issue the one requeue, or say why there is none.
+
+    Returns the message and the exit code the batch script should end with: 0 for a finished
+    or requeued run, :data:`UNFINISHED` for a stop without requeue, srun's status for a failure
+    that is not requeued. A finished run counts as finished even if a late signal hit a task
+    during its exit (srun then reports the signal, but every result is on disk).
+    """
     env = dict(os.environ if env is None else env)
     run_dir = Path(run_dir)
     pending = run_dir / PENDING
     if (run_dir / "result.json").exists():
         pending.unlink(missing_ok=True)
-        return "run finished; no requeue"
+        return "run finished; no requeue", 0
     if pending.exists():
         req = json.loads(pending.read_text())
         pending.unlink()
         ok, detail = _scontrol_requeue(req["target"])
-        if ok:
-            rec = _load(run_dir)
-            rec.setdefault("requeued_at", []).append(time.time())
-            _save(run_dir, rec)
-        return (f"requeued {req['target']} ({req['cause']})" if ok
-                else f"NOT requeued: scontrol requeue {req['target']} failed: {detail}")
+        if not ok:
+            return f"NOT requeued: scontrol requeue {req['target']} failed: {detail}", UNFINISHED
+        rec = _load(run_dir)
+        rec.setdefault("requeued_at", []).append(time.time())
+        _save(run_dir, rec)
+        return f"requeued {req['target']} ({req['cause']})", 0
     final = _load(run_dir).get("final")
     if status == 0 and final:
-        return f"NOT requeued: {final}"
+        return f"NOT requeued: {final}", UNFINISHED
     if status != 0:
         array = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
         target = f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID", "")
@@ -155,9 +161,9 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
         if pending.exists():
             pending.unlink()
             ok, detail = _scontrol_requeue(target)
-            return f"{msg}; " + ("requeued" if ok else f"NOT requeued: {detail}")
-        return msg
-    return "no requeue requested"
+            return (f"{msg}; requeued", 0) if ok else (f"{msg}; NOT requeued: {detail}", status)
+        return msg, status
+    return "no requeue requested", 0
 
 
 def _budgets_from_config(run_dir: Path) -> dict[str, int]:
@@ -177,18 +183,14 @@ def _last_step(run_dir: Path) -> int:
     return info.step if info else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def cmd_requeue_hook(args: argparse.Namespace) -> int:
     """``python -m hpc_train requeue-hook RUN_DIR STATUS`` (run by the batch script)."""
-    ap = argparse.ArgumentParser(prog="python -m hpc_train requeue-hook")
-    ap.add_argument("run_dir")
-    ap.add_argument("status", type=int)
-    args = ap.parse_args(argv)
-    msg = hook(Path(args.run_dir), args.status)
+    msg, code = hook(Path(args.run_dir), args.status)
     print(f"hpc_train requeue-hook: {msg}", file=sys.stderr)
-    # A run that stopped early and was not requeued must not end as COMPLETED.
-    return UNFINISHED if msg.startswith("NOT requeued") and args.status == 0 else 0
+    return code
 
 
 def after_srun_lines(python: str, run_dir_expr: str = '"$RUN_DIR"') -> list[str]:
-    """Shell lines for a batch script, right after srun; ``status`` must hold srun's exit code."""
-    return [f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status" || status=$?']
+    """Shell lines for a batch script, right after srun; ``status`` must hold srun's exit code.
+    The hook's exit code becomes the job's (see :func:`hook`)."""
+    return [f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status"', "status=$?"]

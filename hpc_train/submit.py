@@ -154,7 +154,10 @@ def submit_sweep(args: argparse.Namespace, cfg: Config, rd: Path) -> int:
         c.run_dir = str(rd / f"task-{i}")
         configs.append(c)
     ex = make_executor(cfg, rd)
-    ex.update_parameters(array_parallelism=args.array_parallelism)
+    # Each array task's hook must look at that task's run directory.
+    ex.update_parameters(array_parallelism=args.array_parallelism, teardown=[
+        "status=$?", f'RUN_DIR={shlex.quote(str(rd))}/task-"$SLURM_ARRAY_TASK_ID"',
+        *requeue.after_srun_lines(shlex.quote(sys.executable)), 'exit "$status"'])
     with ex.batch():
         jobs = []
         for c in configs:

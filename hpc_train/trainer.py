@@ -37,6 +37,9 @@ from hpc_train.monitor import Monitor
 from hpc_train.preemption import StopRequest
 
 log = logging.getLogger("hpc_train")
+# BENCHMARK ONLY (benchmarks/preemption.py): skip the per-step agreement to measure its cost.
+# Without it a stop reaches only the signalled rank and metrics are rank-local: never use it to train.
+_BENCH_NO_AGREEMENT = os.environ.get("HPC_TRAIN_BENCH_NO_AGREEMENT") == "1"
 
 
 @dataclass
@@ -171,7 +174,7 @@ class Trainer:
         timed = self.checkpointer is not None and self.checkpointer.due_by_time()
         flags = torch.tensor([float(self.stop.requested), float(timed)], device=stats.device)
         buf = torch.cat([flags, stats])
-        if dist.is_initialized() and self.env.world_size > 1:
+        if dist.is_initialized() and self.env.world_size > 1 and not _BENCH_NO_AGREEMENT:
             dist.all_reduce(buf)
         buf = buf.cpu()
         return bool(buf[0] > 0), bool(buf[1] > 0), buf[2:]

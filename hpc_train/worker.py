@@ -112,6 +112,9 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
                 (rd / "stopped.json").unlink(missing_ok=True)
                 log.info("TensorBoard logs: tensorboard --logdir %s", rd / "tb")
         clean = True
+        # The work is done: a stop signal now (the time limit's, a late preemption) must not
+        # kill this process during teardown, where Python has restored default handlers.
+        stop.ignore_further()
         return result
     finally:
         del trainer  # the DDP reducer must go before the group (see distributed.shutdown)

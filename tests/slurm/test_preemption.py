@@ -67,6 +67,7 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monk
         slurm.wait_done(high, 180)
     result = job.results()[0]       # submitit sees the final run's result, not a stopped one
     assert result["steps"] == 2500 and not result["stopped"]
+    assert slurm.wait_done(job.job_id, 60) == "COMPLETED"   # the result is written before the job ends
     runs = slurm.sacct(job.job_id)
     assert [r["State"] for r in runs][-1] == "COMPLETED" and len(runs) == 3, runs
     pairs = _stop_resume_pairs(run_dir)
