@@ -71,3 +71,57 @@ class StopRequest:
 
 def stop_signals(job_signal: str) -> list[str]:
     return ["TERM", "INT", job_signal]
+
+
+class Agreement:
+    """What all ranks must agree on after each step, summed over ranks in one collective:
+    ``[stop requested, timed checkpoint due, loss sum, correct, count]``.
+
+    Under DDP it rides on the gradient all-reduce: a comm hook appends these five values to
+    bucket 0, so stopping together costs no extra collective and no extra synchronisation.
+    The values are staged just before the backward of the step's last micro-batch and read
+    after it, when DDP has finished every bucket. Without DDP it is one small all-reduce.
+    The hook averages gradients exactly as DDP's built-in one does (divide, then sum), so the
+    weights are bitwise those of plain DDP.
+    """
+
+    def __init__(self, ddp_module=None, multi: bool = False, enabled: bool = True) -> None:
+        self.multi, self.enabled = multi, enabled
+        self._staged = None
+        self._result = None
+        self._hooked = ddp_module is not None and multi and enabled
+        if self._hooked:
+            ddp_module.register_comm_hook(self, _agreement_hook)
+
+    def stage(self, values) -> None:
+        self._staged, self._result = values, None
+
+    def collect(self):
+        """The summed values (a CPU tensor); call after the step's last backward."""
+        import torch.distributed as dist
+        staged, result = self._staged, self._result
+        self._staged = self._result = None
+        if not (self.multi and self.enabled):
+            return staged.cpu()
+        if self._hooked and result is not None:
+            return result.cpu()
+        out = staged.clone()
+        dist.all_reduce(out)
+        return out.cpu()
+
+
+def _agreement_hook(state: Agreement, bucket):
+    import torch
+    import torch.distributed as dist
+    grads = bucket.buffer()
+    grads.div_(dist.get_world_size())             # what DDP's built-in hook does first
+    if bucket.index() != 0 or state._staged is None:
+        return dist.all_reduce(grads, async_op=True).get_future().then(lambda f: f.value()[0])
+    n = grads.numel()
+    buf = torch.cat([grads.flatten(), state._staged.to(grads.dtype)])
+
+    def split(fut):
+        out = fut.value()[0]
+        state._result = out[n:].clone()
+        return out[:n]
+    return dist.all_reduce(buf, async_op=True).get_future().then(split)

@@ -157,7 +157,10 @@ def plan(run_dir: Path, mode: str, cfg: Any = None, warn=None) -> ResumePlan:
         if cfg is not None:
             check_compatible(info, cfg)
         return ResumePlan(info)
-    found = newest_complete(run_dir, warn)
+    found = newest_complete(run_dir)
+    if found is not None and warn:   # when none is complete, the error below names them all
+        for skipped in (i for i in infos if i.step > found.step):
+            warn(f"skipping incomplete checkpoint {skipped.path}: {skipped.problem}")
     if found is None and infos:
         listing = "; ".join(f"{i.path.name}: {i.problem}" for i in infos[:5])
         raise UsageError(f"{ckpt_root(run_dir)} holds checkpoints but none is complete ({listing}); refusing to "

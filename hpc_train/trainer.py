@@ -34,7 +34,7 @@ from hpc_train import models
 from hpc_train.config import Config
 from hpc_train.environment import NodeEnv
 from hpc_train.monitor import Monitor
-from hpc_train.preemption import StopRequest
+from hpc_train.preemption import Agreement, StopRequest
 
 log = logging.getLogger("hpc_train")
 # BENCHMARK ONLY (benchmarks/preemption.py): skip the per-step agreement to measure its cost.
@@ -131,6 +131,8 @@ class Trainer:
         seed_everything(cfg.seed + 1000003 * (env.rank + 1))
         self._pending_rng: dict[str, Any] | None = None
         self._skip_batches = 0
+        self._multi = dist.is_initialized() and env.world_size > 1
+        self.agreement = Agreement(self.net if self.ddp else None, self._multi, enabled=not _BENCH_NO_AGREEMENT)
         self.checkpointer = None  # set by hpc_train.checkpoint.attach
         # TEST HOOK (tests/test_checkpoint_exact.py), see fit(): HPC_TRAIN_TEST_STOP_AT_STEP="K" or "K:M".
         k, _, m = os.environ.get("HPC_TRAIN_TEST_STOP_AT_STEP", "").partition(":")
@@ -158,26 +160,45 @@ class Trainer:
         self._pending_rng = st["rng"]  # applied after iter(loader); see the module docstring
 
     # -- the loop ---------------------------------------------------------------------------
-    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, sync: bool, prior: torch.Tensor | None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns the metrics summed over the cycle.
+
+        On the cycle's last micro-batch the agreement is staged before the backward, whose
+        gradient all-reduce carries it (see :class:`hpc_train.preemption.Agreement`).
+        """
         ctx = self.net.no_sync() if (self.ddp and not sync) else contextlib.nullcontext()
         with ctx:
             out = self.net(x)
             loss = self.criterion(out, y)
+            correct = (out.detach().argmax(1) == y).sum()
+            stats = torch.stack([loss.detach() * y.numel(), correct.float(),
+                                 torch.tensor(float(y.numel()), device=x.device)])
+            if prior is not None:
+                stats = prior + stats
+            if sync:
+                timed = self.checkpointer is not None and self.checkpointer.due_by_time()
+                flags = torch.tensor([float(self.stop.requested), float(timed)], device=x.device)
+                self.agreement.stage(torch.cat([flags, stats]))
             (loss / self.cfg.optim.grad_accum).backward()
-        correct = (out.detach().argmax(1) == y).sum()
-        return torch.stack([loss.detach() * y.numel(), correct.float(), torch.tensor(float(y.numel()),
-                                                                                       device=x.device)])
+        return stats
 
-    def _agree(self, stats: torch.Tensor) -> tuple[bool, bool, torch.Tensor]:
-        """One all-reduce per step: the metrics summed, whether any rank was asked to stop, and
-        whether any rank's clock says a timed checkpoint is due (clocks differ; ranks must not)."""
-        timed = self.checkpointer is not None and self.checkpointer.due_by_time()
-        flags = torch.tensor([float(self.stop.requested), float(timed)], device=stats.device)
-        buf = torch.cat([flags, stats])
-        if dist.is_initialized() and self.env.world_size > 1 and not _BENCH_NO_AGREEMENT:
-            dist.all_reduce(buf)
-        buf = buf.cpu()
-        return bool(buf[0] > 0), bool(buf[1] > 0), buf[2:]
+    def _agree(self, step: int, epoch: int, mon: Monitor) -> tuple[bool, bool]:
+        """Read this step's agreement, log its metrics; return the (stop, timed save) decisions."""
+        buf = self.agreement.collect()
+        rec = {"step": step, "epoch": epoch, "lr": self.scheduler.get_last_lr()[0], "stop": bool(buf[0] > 0),
+               "timed": bool(buf[1] > 0), "loss": float(buf[2] / buf[4]), "acc": float(buf[3] / buf[4]),
+               "samples": int(buf[4])}
+        cfg = self.cfg
+        self.progress.last_loss = rec["loss"]
+        self._window_samples += rec["samples"]
+        log_now = rec["step"] % cfg.train.log_every == 0 or rec["step"] == self.total_steps
+        scalars = {"loss": rec["loss"], "acc": rec["acc"], "lr": rec["lr"]}
+        if log_now:
+            now = time.perf_counter()
+            scalars["samples_per_s"] = self._window_samples / max(now - self._window_t, 1e-9)
+            self._window_t, self._window_samples = now, 0
+        mon.step(rec["step"], rec["epoch"], scalars, log_now)
+        return rec["stop"], rec["timed"]
 
     def reshard_progress(self, saved_world: int) -> None:
         """Resuming at another world size: continue after the same number of samples.
@@ -205,7 +226,7 @@ class Trainer:
         mon = Monitor(self.run_dir, self.total_steps, p.step, enabled=self.env.is_main,
                       tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
         stopped = False
-        window_t, window_samples = time.perf_counter(), 0
+        self._window_t, self._window_samples = time.perf_counter(), 0
         try:
             while not stopped and p.step < self.total_steps:
                 self.sampler.set_epoch(p.epoch)
@@ -227,16 +248,18 @@ class Trainer:
                     x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                     p.batch_in_epoch += 1
                     sync = p.batch_in_epoch % cfg.optim.grad_accum == 0
-                    s = self._micro_step(x, y, sync)
-                    # TEST HOOK: after micro-batch M (default: the last) of step K, rank 0 sends a real SIGTERM to
-                    # the `run` launcher and waits (<= 30 s) for the forwarded one, so the stop lands at step K.
-                    if self._test_stop == (p.step + 1, (p.batch_in_epoch - 1) % cfg.optim.grad_accum + 1):
+                    micro = (p.batch_in_epoch - 1) % cfg.optim.grad_accum + 1
+                    # TEST HOOK: "K:M" sends a real SIGTERM to the `run` launcher after micro-batch M of step K
+                    # (for M = the last one: just before it, as its backward carries the step's agreement) and
+                    # waits (<= 30 s) for the forwarded one, so the stop lands at step K.
+                    if self._test_stop is not None and self._test_stop[0] == p.step + 1 and \
+                            micro == min(self._test_stop[1] + 1, cfg.optim.grad_accum):
                         os.kill(os.getppid(), signal.SIGTERM)
                         for _ in range(3000):
                             if self.stop.requested:
                                 break
                             time.sleep(0.01)
-                    acc_stats = s if acc_stats is None else acc_stats + s
+                    acc_stats = self._micro_step(x, y, sync, acc_stats)
                     if not sync:
                         continue
                     if cfg.optim.grad_clip:
@@ -245,20 +268,10 @@ class Trainer:
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     p.step += 1
-                    stopped, timed, tot = self._agree(acc_stats)
-                    acc_stats = None
-                    p.samples_seen += int(tot[2])
+                    p.samples_seen += global_batch   # every batch is full (drop_last)
                     p.train_time_s += time.perf_counter() - t_step
-                    p.last_loss = float(tot[0] / tot[2])
-                    window_samples += int(tot[2])
-                    log_now = p.step % cfg.train.log_every == 0 or p.step == self.total_steps
-                    sps = 0.0
-                    if log_now:
-                        now = time.perf_counter()
-                        sps, window_t, window_samples = window_samples / max(now - window_t, 1e-9), now, 0
-                    mon.step(p.step, p.epoch, {"loss": p.last_loss, "acc": float(tot[1] / tot[2]),
-                                               "lr": self.scheduler.get_last_lr()[0],
-                                               **({"samples_per_s": sps} if log_now else {})}, log_now)
+                    stopped, timed = self._agree(p.step, p.epoch, mon)
+                    acc_stats = None
                     if self.checkpointer is not None:
                         self.checkpointer.after_step(self, force=stopped, timed=timed)
                     if stopped:
