@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from submit_latency import DEVCLUSTER, PY, cluster_env  # noqa: E402
+from submit_latency import PY, local_cluster  # noqa: E402
 
 DIGITS = str(ROOT / "jobs" / "digits.yaml")
 QUIET = ["--set", "log.tensorboard=false", "--set", "train.eval=false", "--set", "log.progress=lines"]
@@ -169,19 +169,11 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as d:
         tmp = Path(d)
-        bench_agreement(tmp, reps=3 if args.quick else 5, steps=120 if args.quick else 250)
-        started = subprocess.run([str(DEVCLUSTER), "status"], capture_output=True).returncode != 0
-        if started:
-            subprocess.run([str(DEVCLUSTER), "up", "--nodes", "2"], check=True, capture_output=True)
-        try:
-            env = cluster_env()
-            env["PYTHONPATH"] = str(ROOT)
+        bench_agreement(tmp, reps=3 if args.quick else 7, steps=120 if args.quick else 250)
+        with local_cluster() as env:
             bench_stop_timeline(env, tmp)
             bench_goodput(env, tmp, [None, 40.0, 20.0] if not args.quick else [None, 30.0],
                           steps=1500 if args.quick else 3000)
-        finally:
-            if started:
-                subprocess.run([str(DEVCLUSTER), "down"], capture_output=True)
     return 0
 
 

@@ -13,6 +13,7 @@ Usage: .venv/bin/python benchmarks/submit_latency.py [--reps N]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -62,6 +63,21 @@ def cluster_env() -> dict[str, str]:
             k, _, v = line[7:].partition("=")
             env[k] = subprocess.run(["bash", "-c", f"printf %s {v}"], capture_output=True, text=True, env=env).stdout
     return env
+
+
+@contextlib.contextmanager
+def local_cluster():
+    """The local cluster's client environment; started (and stopped after) if it is not up."""
+    started = subprocess.run([str(DEVCLUSTER), "status"], capture_output=True).returncode != 0
+    if started:
+        subprocess.run([str(DEVCLUSTER), "up", "--nodes", "2"], check=True, capture_output=True)
+    try:
+        env = cluster_env()
+        env["PYTHONPATH"] = str(ROOT)
+        yield env
+    finally:
+        if started:
+            subprocess.run([str(DEVCLUSTER), "down"], capture_output=True)
 
 
 def wait_file(path: Path, timeout: float = 300) -> None:
@@ -131,12 +147,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    started = subprocess.run([str(DEVCLUSTER), "status"], capture_output=True).returncode != 0
-    if started:
-        subprocess.run([str(DEVCLUSTER), "up", "--nodes", "2"], check=True, capture_output=True)
-    try:
-        env = cluster_env()
-        env["PYTHONPATH"] = str(ROOT)
+    with local_cluster() as env:
         hpc, raw = [], []
         with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as d:
             tmp = Path(d)
@@ -160,9 +171,6 @@ def main() -> int:
             print(f"  python -m hpc_train --help      {helpt * 1000:7.0f} ms   ({helpt / base:.1f}x)")
             print(f"  python -m hpc_train status DIR  {statt * 1000:7.0f} ms   ({statt / base:.1f}x, "
                   f"includes squeue+sacct)")
-    finally:
-        if started:
-            subprocess.run([str(DEVCLUSTER), "down"], capture_output=True)
     return 0
 
 
