@@ -202,7 +202,7 @@ def _lazy(target: str):
 
 
 COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_worker,
-            "submit": _lazy("hpc_train.submit:cmd_submit"), "sbatch": _lazy("hpc_train.sbatch:cmd_sbatch"),
+            "submit": _lazy("hpc_train.submission:cmd_submit"), "sbatch": _lazy("hpc_train.sbatch:cmd_sbatch"),
             "status": _lazy("hpc_train.jobs:cmd_status"), "logs": _lazy("hpc_train.jobs:cmd_logs"),
             "cancel": _lazy("hpc_train.jobs:cmd_cancel"), "ckpt": _lazy("hpc_train.ckpt_cli:cmd_ckpt"),
             "requeue-hook": _lazy("hpc_train.requeue:cmd_requeue_hook")}

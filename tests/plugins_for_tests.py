@@ -110,3 +110,16 @@ def exit_on_rank1(cfg, env, device):
     dist.all_reduce(t)
     time.sleep(600)
     return {"unreachable": True}
+
+
+def world_report(scale):
+    """For `hpc_train.submit(callable)`: runs on every task with the process group initialised."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": float(t) * scale,
+            "host": socket.gethostname()}

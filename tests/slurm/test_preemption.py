@@ -54,10 +54,10 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monk
     # The Python API, so the submitting side's submitit Job can be checked after the requeues.
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)
+    import hpc_train
     from hpc_train.config import load
-    from hpc_train.submit import submit
     cfg = load(BASE[0], BASE[2::2] + flags[1::2], {"job": {"nodes": 2, "partition": "low"}})
-    job = submit(cfg, run_dir=run_dir)
+    job = hpc_train.submit(cfg, run_dir=run_dir)
     preempt_at = [300, 1200]
     for i, step in enumerate(preempt_at):
         slurm.wait_state(job.job_id, {"RUNNING"}, 120)

@@ -177,3 +177,16 @@ def test_shell_metacharacters_are_quoted(slurm, tmp_path, how):
     for marker in ("INJECTED", "INJECTED2", "INJECTED3"):
         for where in (tmp_path, ROOT, Path("/tmp"), Path("/root")):
             assert not (where / marker).exists(), f"{where / marker} was created: a value was not quoted"
+
+
+def test_python_api_runs_any_callable_on_every_task(slurm, tmp_path, monkeypatch):
+    for k, v in slurm.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.syspath_prepend(str(ROOT))
+    import hpc_train
+    from tests.plugins_for_tests import world_report
+    job = hpc_train.submit(world_report, 10.0, nodes=2, tasks_per_node=2, run_dir=tmp_path / "fn")
+    results = job.results()
+    assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
+    assert all(r["world"] == 4 and r["sum"] == 100.0 for r in results)   # (1+2+3+4) x 10
+    assert {r["host"] for r in results} == {"node1", "node2"}
