@@ -109,10 +109,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     run_dir = root / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(rank, None, "WARNING")
-    cfg = config.load(None, [f"model.name=mlp", f"model.hidden={args.hidden}", "data.name=synthetic",
+    cfg = config.load(None, ["model.name=mlp", f"model.hidden={args.hidden}", "data.name=synthetic",
                              "data.synthetic_size=64", "data.batch_size=8", "train.max_steps=1", "train.eval=false",
                              "log.tensorboard=false", "log.progress=lines", "checkpoint.keep=1000",
-                             f"checkpoint.async_save=true", f"run_dir={run_dir}"])
+                             "checkpoint.async_save=true", f"run_dir={run_dir}"])
     env = environment.current()
     device = distributed.init(env, cfg.dist)
     trainer = Trainer(cfg, env, device, run_dir)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from hpc_train.errors import EXIT_USAGE, UsageError
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import socket
 from datetime import timedelta
 
@@ -123,8 +122,3 @@ def shutdown(clean: bool = True) -> None:
     gc.collect()
     dist.destroy_process_group()
 
-
-def world_info() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

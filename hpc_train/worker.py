@@ -60,9 +60,7 @@ def _address() -> str:
 
 
 def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
-    import torch  # noqa: F401 - heavy; imported only on the training path
-
-    from hpc_train import distributed
+    from hpc_train import distributed   # imports torch: only on the training path
     from hpc_train.preemption import StopRequest, stop_signals
 
     from hpc_train import resume as resume_mod
@@ -123,8 +121,6 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path) -> dict[str, Any]:
 
 def _request_requeue(cfg: Config, env: environment.NodeEnv, rd: Path, result: dict, stop) -> str:
     """Rank 0, after the stop's checkpoint: classify the cause and ask the batch shell to requeue."""
-    import time
-
     from hpc_train import requeue
     end = requeue.job_end_time(env.job_id)
     cause = requeue.classify(result.get("stop_signal") or "", end, stop.received_at or time.time(),
@@ -203,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = config_mod.load(args.config)
     try:
-        result = run_worker(cfg, args.run_dir or os.path.dirname(os.path.abspath(args.config)))
+        run_worker(cfg, args.run_dir or os.path.dirname(os.path.abspath(args.config)))
     except BaseException as e:  # noqa: BLE001 - the error is already in the rank's log and error file
         exit_now(130 if isinstance(e, KeyboardInterrupt) else 2 if isinstance(e, UsageError) else 1)
-    return 0 if not result.get("stopped") else int(os.environ.get("HPC_TRAIN_STOPPED_EXIT", "0"))
+    return 0   # a stop is a clean exit too: the launcher or the batch shell decides what follows
 
 
 def exit_now(code: int) -> None:
