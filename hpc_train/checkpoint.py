@@ -223,7 +223,7 @@ class Checkpointer:
                 raise CheckpointError(f"{path}: rank files missing for ranks {missing}")
         resume.write_commit(path, {"step": step, "time": time.time(), "world_size": self.world,
                                    "torch": torch.__version__, "config_hash": self.full_cfg.digest(),
-                                   "model": resume._model_signature(self.full_cfg),
+                                   "model": resume.model_signature(self.full_cfg),
                                    "save_seconds": round(seconds, 4)})
         log.info("checkpoint committed: %s (%.2fs)", path, seconds)
         self._prune()

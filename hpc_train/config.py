@@ -302,10 +302,16 @@ def from_dict(data: dict[str, Any]) -> Config:
     return validate(cfg)
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` in one rename, so a reader (or a kill) never sees half a file.
+    Every small record in a run directory is written this way."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write(cfg: Config, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(cfg.to_yaml())
-    tmp.replace(out)
+    write_atomic(out, cfg.to_yaml())
     return out

@@ -46,9 +46,8 @@ def _load(run_dir: Path) -> dict[str, Any]:
 
 
 def _save(run_dir: Path, rec: dict[str, Any]) -> None:
-    tmp = run_dir / (STATE + ".tmp")
-    tmp.write_text(json.dumps(rec, indent=2))
-    tmp.replace(run_dir / STATE)
+    from hpc_train.config import write_atomic
+    write_atomic(run_dir / STATE, json.dumps(rec, indent=2))
 
 
 def budget_for(cause: str, budgets: dict[str, int]) -> int:

@@ -174,13 +174,13 @@ def plan(run_dir: Path, mode: str, cfg: Any = None, warn=None) -> ResumePlan:
 def check_compatible(info: CkptInfo, cfg: Any) -> None:
     """Refuse, before loading, a checkpoint whose model config differs (shapes would not fit)."""
     saved = info.record.get("model")
-    if saved is not None and saved != _model_signature(cfg):
+    if saved is not None and saved != model_signature(cfg):
         raise UsageError(f"checkpoint {info.path} was saved with model config {saved}, but this config has "
-                         f"{_model_signature(cfg)}; the weights would not fit. Use the original config, or a new "
+                         f"{model_signature(cfg)}; the weights would not fit. Use the original config, or a new "
                          f"--run-dir")
 
 
-def _model_signature(cfg: Any) -> dict[str, Any]:
+def model_signature(cfg: Any) -> dict[str, Any]:
     return {"name": cfg.model.name, "hidden": cfg.model.hidden}
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_train.config import JobSection
+from hpc_train.config import JobSection, write_atomic
 from hpc_train.errors import UsageError, closest
 
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
@@ -109,9 +109,7 @@ def record_job(run_dir: Path, job_id: str, how: str, **extra: Any) -> None:
     path = Path(run_dir) / "job.json"
     rec = json.loads(path.read_text()) if path.exists() else {"jobs": []}
     rec["jobs"].append({"job_id": job_id, "submitted": time.time(), "via": how, **extra})
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(rec, indent=2))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(rec, indent=2))
 
 
 def job_ids(run_dir: Path) -> list[str]:

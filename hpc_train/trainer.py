@@ -103,7 +103,8 @@ class Trainer:
         # per-rank stream for dropout and anything else random in the step.
         seed_everything(cfg.seed)
         self.model = models.build(cfg.model).to(device)
-        self.ddp = cfg.dist.strategy == "ddp" and dist.is_initialized() and env.world_size > 1
+        self._multi = dist.is_initialized() and env.world_size > 1
+        self.ddp = cfg.dist.strategy == "ddp" and self._multi
         self.net: nn.Module = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None) \
             if self.ddp else self.model
         train_ds, test_ds = data_mod.build(cfg.data, cfg.seed)
@@ -131,9 +132,8 @@ class Trainer:
         seed_everything(cfg.seed + 1000003 * (env.rank + 1))
         self._pending_rng: dict[str, Any] | None = None
         self._skip_batches = 0
-        self._multi = dist.is_initialized() and env.world_size > 1
         self.agreement = Agreement(self.net if self.ddp else None, self._multi, enabled=not _BENCH_NO_AGREEMENT)
-        self.checkpointer = None  # set by hpc_train.checkpoint.attach
+        self.checkpointer = None  # set by hpc_train.worker when checkpoints are enabled
         # TEST HOOK (tests/test_checkpoint_exact.py), see fit(): HPC_TRAIN_TEST_STOP_AT_STEP="K" or "K:M".
         k, _, m = os.environ.get("HPC_TRAIN_TEST_STOP_AT_STEP", "").partition(":")
         self._test_stop = (int(k), int(m or cfg.optim.grad_accum)) if k and env.rank == 0 else None
@@ -329,7 +329,7 @@ class Trainer:
             stats += torch.stack([nn.functional.cross_entropy(out, y, reduction="sum").double(),
                                   (out.argmax(1) == y).sum().double(), torch.tensor(float(y.numel()),
                                                                                     device=self.device).double()])
-        if dist.is_initialized() and self.env.world_size > 1:
+        if self._multi:
             dist.all_reduce(stats)
         self.net.train()
         return float(stats[0] / stats[2]), float(stats[1] / stats[2])

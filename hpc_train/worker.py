@@ -26,9 +26,7 @@ log = logging.getLogger("hpc_train")
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    tmp.replace(path)
+    config_mod.write_atomic(path, json.dumps(obj, indent=2, default=str))
 
 
 def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None) -> dict[str, Any]:
