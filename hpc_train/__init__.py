@@ -2,17 +2,37 @@
 
 The data path, one module per step::
 
-    config -> submit/sbatch -> environment -> distributed -> trainer
-           -> checkpoint / preemption -> requeue -> resume
+    config -> submission/sbatch -> environment -> distributed -> run (Run: the user's loop
+           or the built-in trainer) -> checkpoint / preemption -> requeue -> resume
 
-Importing the package is cheap: torch is imported only on the training path.
+Your own loop::
+
+    run = hpc_train.init()
+    state = {"model": run.wrap(model), "optim": optimizer, "step": 0}
+    run.restore(state)
+    ...
+    if run.step_end(state): break
+    run.finish({...})
+
+Importing the package is cheap: torch is imported only when ``init()`` (or training) runs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from hpc_train.run import Run
+
+
+def init(config: Any = None, *, run_dir: Any = None, overrides: list[str] = ()) -> Run:
+    """This process's :class:`hpc_train.run.Run`: environment, process group, device,
+    rank-prefixed logging and stop signals. A second call returns the same Run. See
+    :func:`hpc_train.run.init`."""
+    from hpc_train.run import init as _init
+    return _init(config, run_dir=run_dir, overrides=overrides)
 
 
 def submit(target: Any, *args: Any, **kwargs: Any):
@@ -21,8 +41,9 @@ def submit(target: Any, *args: Any, **kwargs: Any):
 
     ``hpc_train.submit("jobs/digits.yaml", nodes=2, time="01:00:00")`` trains that job;
     ``hpc_train.submit(fn, x, nodes=2, tasks_per_node=4)`` runs ``fn(x)`` on every task with the
-    process group initialised (``torch.distributed`` is ready inside ``fn``). Keyword arguments
-    are the config's job section plus ``overrides=[...]``, ``run_dir=`` and ``resume=``. See
+    process group initialised; ``hpc_train.init()`` inside ``fn`` returns the task's Run, with
+    the config's ``dist`` section applied and stops handled. Keyword arguments are the config's
+    job section plus ``config=``, ``overrides=[...]``, ``run_dir=`` and ``resume=``. See
     :func:`hpc_train.submission.submit`.
     """
     from hpc_train.submission import submit as _submit

@@ -1,9 +1,11 @@
 """Sharded, atomic, asynchronous checkpoints on ``torch.distributed.checkpoint`` (DCP).
 
-Save: model and optimizer through ``get_state_dict`` (sharded by DCP, reshardable to another
-world size), the schedule and progress alongside, and one small ``rank-R.pt`` per rank with its
-RNG states and loader position. Rank 0 writes ``commit.json`` when the save has finished on
-every rank (see :mod:`hpc_train.resume` for what makes a checkpoint complete).
+The checkpointer sees a mapping of state objects and nothing else (see :mod:`hpc_train.state`
+for what goes where). A ``step-N/`` directory holds DCP's shards and ``.metadata`` (modules and
+optimizers, reshardable to another world size), ``app.pt`` (rank 0's copy of schedulers and
+plain values), one ``rank-R.pt`` per rank (RNG states, loader positions) and, written last by
+rank 0 once every rank's share is on disk, ``commit.json`` (see :mod:`hpc_train.resume` for
+what makes a checkpoint complete).
 
 Hazards:
 
@@ -22,24 +24,25 @@ import pickle
 import shutil
 import time
 import warnings
+from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch import nn
 
 from hpc_train import resume
-from hpc_train.config import CheckpointSection, Config
-
-if TYPE_CHECKING:
-    from hpc_train.trainer import Trainer
+from hpc_train import state as state_mod
+from hpc_train.config import CheckpointSection
+from hpc_train.errors import UsageError
+from hpc_train.state import is_plain, rng_state, set_rng_state
 
 log = logging.getLogger("hpc_train")
 # DCP says so on every single-process save/load; that is the intent here, so it is noise.
@@ -93,34 +96,6 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-# -- per-rank state in plain types (loadable with weights_only=True) ------------------------
-def _to_plain(st: dict[str, Any]) -> dict[str, Any]:
-    rng = st["rng"]
-    np_state = rng["numpy"]
-    out = {"rng": {"python": [rng["python"][0], list(rng["python"][1]), rng["python"][2]],
-                   "numpy": [np_state[0], torch.from_numpy(np.asarray(np_state[1]).astype(np.int64)),
-                             int(np_state[2]), int(np_state[3]), float(np_state[4])],
-                   "torch": rng["torch"]}}
-    if "cuda" in rng:
-        out["rng"]["cuda"] = list(rng["cuda"])
-    if "loader" in st:
-        out["loader"] = st["loader"]
-    return out
-
-
-def _from_plain(st: dict[str, Any]) -> dict[str, Any]:
-    rng = st["rng"]
-    n = rng["numpy"]
-    out = {"rng": {"python": (rng["python"][0], tuple(rng["python"][1]), rng["python"][2]),
-                   "numpy": (n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]),
-                   "torch": rng["torch"]}}
-    if "cuda" in rng:
-        out["rng"]["cuda"] = rng["cuda"]
-    if "loader" in st:
-        out["loader"] = st["loader"]
-    return out
-
-
 IO_THREADS = 2   # DCP FileSystemWriter threads per rank (see Checkpointer.save)
 
 
@@ -128,17 +103,71 @@ def _dir_for(run_dir: Path, step: int) -> Path:
     return resume.ckpt_root(run_dir) / f"step-{step}"
 
 
-class Checkpointer:
-    """Saves on schedule and on request; one save in flight; rank 0 commits and prunes."""
+IO_THREADS = 2   # DCP FileSystemWriter threads per rank (see Checkpointer.save)
+APP_FILE = "app.pt"   # rank 0's copy of the replicated non-DCP entries (schedulers, plain values)
 
-    def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int) -> None:
-        self.cfg: CheckpointSection = cfg.checkpoint
-        self.full_cfg, self.run_dir, self.rank, self.world = cfg, Path(run_dir), rank, world_size
+
+def _dir_for(run_dir: Path, step: int) -> Path:
+    return resume.ckpt_root(run_dir) / f"step-{step}"
+
+
+def _rank_file(path: Path, rank: int) -> Path:
+    return path / f"rank-{rank}.pt"
+
+
+def _owner_module(state: Mapping[str, Any], kinds: dict[str, str], key: str) -> nn.Module:
+    """The module in ``state`` whose parameters ``state[key]`` (an optimizer) updates."""
+    opt = state[key]
+    first = next((p for g in opt.param_groups for p in g["params"]), None)
+    for k, kind in kinds.items():
+        if kind == "module" and first is not None and any(p is first for p in state[k].parameters()):
+            return state[k]
+    raise UsageError(f"state[{key!r}] is an optimizer whose parameters belong to no module in state; "
+                     f"add the model it trains (e.g. state['model'] = model)")
+
+
+def _dcp_state(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+    """Modules and optimizers as DCP state dicts (unwrapped from DDP, sharded under FSDP)."""
+    out: dict[str, Any] = {}
+    for k, kind in kinds.items():
+        if kind == "module":
+            out[k] = get_model_state_dict(state[k])
+        elif kind == "optimizer":
+            out[k] = get_optimizer_state_dict(_owner_module(state, kinds, k), state[k])
+    return out
+
+
+def _plain_of(key: str, obj: Any) -> Any:
+    sd = obj.state_dict()
+    if not is_plain(sd):
+        raise UsageError(f"state[{key!r}].state_dict() holds something other than plain data (numbers, strings, "
+                         f"tensors, lists and dicts of them), which cannot be loaded safely")
+    return sd
+
+
+def _app_state(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+    return {k: (_plain_of(k, state[k]) if kind == "stateful" else state[k])
+            for k, kind in kinds.items() if kind in ("stateful", "plain")}
+
+
+def _rank_state(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+    return {"rng": rng_state(),
+            "objects": {k: _plain_of(k, state[k]) for k, kind in kinds.items() if kind == "per_rank"}}
+
+
+class Checkpointer:
+    """Saves a mapping of state objects on schedule and on request; one save in flight; rank 0
+    commits and prunes. Knows nothing of what trains: see :mod:`hpc_train.state`."""
+
+    def __init__(self, cfg: CheckpointSection, run_dir: Path, rank: int, world_size: int,
+                 record: dict[str, Any] | None = None) -> None:
+        self.cfg, self.run_dir, self.rank, self.world = cfg, Path(run_dir), rank, world_size
+        self.record = dict(record or {})     # extra fields for commit.json (config hash, ...)
         distributed = dist.is_initialized() and world_size > 1
         # A group only for checkpoints: DCP's collectives must never interleave with DDP's.
         self.pg = dist.new_group(backend="gloo") if distributed else None
         self.no_dist = not distributed
-        self.pending: tuple[Future, int, float] | None = None
+        self.pending: tuple[Future, int, float, dict[str, str]] | None = None
         self.last_save_t = time.monotonic()
         self.last_step = -1
         self.stats: list[dict[str, float]] = []
@@ -148,19 +177,16 @@ class Checkpointer:
     def due_by_time(self) -> bool:
         return bool(self.cfg.every_seconds) and time.monotonic() - self.last_save_t >= self.cfg.every_seconds
 
-    def after_step(self, trainer: Trainer, force: bool = False, timed: bool = False) -> None:
-        step = trainer.progress.step
-        if self.rank == 0:
-            self.poll()
-        due = force or timed or (self.cfg.every_steps and step % self.cfg.every_steps == 0)
-        if due and step != self.last_step:
-            self.save(trainer, blocking=force)
+    def due(self, step: int, force: bool = False, timed: bool = False) -> bool:
+        return step != self.last_step and bool(force or timed or (self.cfg.every_steps
+                                                                   and step % self.cfg.every_steps == 0))
 
     # -- save --------------------------------------------------------------------------------
-    def save(self, trainer: Trainer, blocking: bool = False) -> None:
+    def save(self, state: Mapping[str, Any], step: int, blocking: bool = False,
+             kinds: dict[str, str] | None = None) -> None:
         t0 = time.perf_counter()
+        kinds = kinds or state_mod.kinds(state)
         self.wait()                      # one save in flight (see module docstring)
-        step = trainer.progress.step
         path = _dir_for(self.run_dir, step)
         if self.rank == 0 and path.exists():
             # A leftover from a run we did not resume from (it was skipped as incomplete):
@@ -169,11 +195,10 @@ class Checkpointer:
         if self.pg is not None:
             dist.barrier(group=self.pg)
         path.mkdir(parents=True, exist_ok=True)
-        torch.save(_to_plain(trainer.rank_state()), path / f"rank-{self.rank}.pt")
-        trainer.sync_buffers()
-        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-        state = {"model": model_sd, "optim": optim_sd,
-                 "trainer": {"scheduler": trainer.scheduler.state_dict(), "progress": asdict(trainer.progress)}}
+        torch.save(_rank_state(state, kinds), _rank_file(path, self.rank))
+        if self.rank == 0:
+            torch.save(_app_state(state, kinds), path / APP_FILE)
+        dcp_state = _dcp_state(state, kinds)
         # IO_THREADS writer threads per rank: one thread's fsync overlaps another's serialization
         # (234 MB, 2 ranks, 2 cores: fsync'd saves 15-35% faster than DCP's default of 1; benchmarks/checkpoint.py).
         writer = dcp.FileSystemWriter(str(path), thread_count=IO_THREADS, sync_files=True)
@@ -188,13 +213,13 @@ class Checkpointer:
                 # background write still reads the buffers when the next save refills them.
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
                 self.stager = DefaultStager(StagingOptions(False, False, False, False))
-            fut = dcp.async_save(state, async_stager=self.stager, **kw)
-            self.pending = (fut, step, t0)
+            fut = dcp.async_save(dcp_state, async_stager=self.stager, **kw)
+            self.pending = (fut, step, t0, kinds)
         else:
-            dcp.save(state, **kw)
+            dcp.save(dcp_state, **kw)
             done: Future = Future()
             done.set_result(None)
-            self.pending = (done, step, t0)
+            self.pending = (done, step, t0, kinds)
             self.wait()
         self.stats.append({"step": step, "blocked_s": time.perf_counter() - t0})
         self.last_save_t, self.last_step = time.monotonic(), step
@@ -207,24 +232,22 @@ class Checkpointer:
     def wait(self) -> None:
         if self.pending is None:
             return
-        fut, step, t0 = self.pending
+        fut, step, t0, kinds = self.pending
         self.pending = None
         fut.result()   # every rank: its share is written. Rank 0: .metadata is written too.
         if self.rank == 0:
-            self._commit(step, time.perf_counter() - t0)
+            self._commit(step, time.perf_counter() - t0, kinds)
 
-    def _commit(self, step: int, seconds: float) -> None:
+    def _commit(self, step: int, seconds: float, kinds: dict[str, str]) -> None:
         path = _dir_for(self.run_dir, step)
         if self.world > 1:
             # Rank 0's future completes after DCP gathered every rank's write results, but the
             # small per-rank files were written before; check they are all there.
-            missing = [r for r in range(self.world) if not (path / f"rank-{r}.pt").exists()]
+            missing = [r for r in range(self.world) if not _rank_file(path, r).exists()]
             if missing:
                 raise CheckpointError(f"{path}: rank files missing for ranks {missing}")
-        resume.write_commit(path, {"step": step, "time": time.time(), "world_size": self.world,
-                                   "torch": torch.__version__, "config_hash": self.full_cfg.digest(),
-                                   "model": resume.model_signature(self.full_cfg),
-                                   "save_seconds": round(seconds, 4)})
+        resume.write_commit(path, {**self.record, "step": step, "time": time.time(), "world_size": self.world,
+                                   "torch": torch.__version__, "state": kinds, "save_seconds": round(seconds, 4)})
         log.info("checkpoint committed: %s (%.2fs)", path, seconds)
         self._prune()
 
@@ -256,42 +279,79 @@ def _why(e: BaseException) -> str:
     return (named or lines or [type(e).__name__])[-1]
 
 
-def load(trainer: Trainer, path: Path, world_size: int) -> None:
-    """Restore ``trainer`` from a complete checkpoint (resharding if the world size changed)."""
+def _safe_torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - e.g. a pickle that names a forbidden global
+        raise CheckpointError(f"cannot load {path}: {_why(e)}") from None
+
+
+def check_keys(path: Path, saved: dict[str, str] | None, kinds: dict[str, str]) -> None:
+    """The checkpoint's entries must be the state's: name what is missing and what is extra."""
+    if saved is None:
+        return
+    missing, extra = sorted(set(kinds) - set(saved)), sorted(set(saved) - set(kinds))
+    changed = sorted(k for k in set(kinds) & set(saved) if kinds[k] != saved[k])
+    if missing or extra or changed:
+        parts = ([f"in state but not in the checkpoint: {', '.join(missing)}"] if missing else []) + \
+                ([f"in the checkpoint but not in state: {', '.join(extra)}"] if extra else []) + \
+                ([f"of another kind: " + ", ".join(f"{k} (saved {saved[k]}, now {kinds[k]})" for k in changed)]
+                 if changed else [])
+        raise UsageError(f"checkpoint {path} does not match state ({'; '.join(parts)}); restore with the same "
+                         f"state keys it was saved with, or start a new run directory")
+
+
+def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
+         kinds: dict[str, str] | None = None) -> dict[str, Any]:
+    """Restore ``state`` in place from a complete checkpoint (resharding if the world size
+    changed). Returns the commit record."""
     info = resume.inspect(path)
     if not info.complete:
         raise CheckpointError(f"checkpoint {path} is not complete: {info.problem}")
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    from hpc_train.trainer import Progress
-    state = {"model": model_sd, "optim": optim_sd,
-             "trainer": {"scheduler": trainer.scheduler.state_dict(), "progress": asdict(Progress())}}
-    try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(),
-                 process_group=None, no_dist=not (dist.is_initialized() and world_size > 1))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
-        # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
-        why = _why(e)
-        hint = " (does the model config match the one it was saved with?)" if "mismatch" in why else ""
-        raise CheckpointError(f"cannot load checkpoint {path}: {why}{hint}") from None
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    trainer.scheduler.load_state_dict(state["trainer"]["scheduler"])
-    saved = info.record.get("world_size")
-    prog = state["trainer"]["progress"]
-    for k, v in prog.items():
-        setattr(trainer.progress, k, v)
-    rank_file = path / f"rank-{trainer.env.rank}.pt"
-    if saved == world_size and rank_file.exists():
+    kinds = kinds or state_mod.kinds(state)
+    check_keys(path, info.record.get("state"), kinds)
+    dcp_state = _dcp_state(state, kinds)
+    if dcp_state:
         try:
-            rank_state = torch.load(rank_file, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - e.g. a pickle that names a forbidden global
-            raise CheckpointError(f"cannot load {rank_file}: {_why(e)}") from None
-        trainer.load_rank_state(_from_plain(rank_state))
+            dcp.load(dcp_state, storage_reader=SafeReader(str(path)), planner=SafePlanner(),
+                     process_group=None, no_dist=not (dist.is_initialized() and world_size > 1))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
+            # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
+            why = _why(e)
+            hint = " (does the model match the one it was saved with?)" if "mismatch" in why else ""
+            raise CheckpointError(f"cannot load checkpoint {path}: {why}{hint}") from None
+        for k, kind in kinds.items():
+            if kind == "module":
+                set_model_state_dict(state[k], dcp_state[k])
+        for k, kind in kinds.items():
+            if kind == "optimizer":
+                set_optimizer_state_dict(_owner_module(state, kinds, k), state[k], dcp_state[k])
+    app = _safe_torch_load(path / APP_FILE)
+    for k, kind in kinds.items():
+        if kind == "stateful":
+            state[k].load_state_dict(app[k])
+        elif kind == "plain":
+            state[k] = app[k]
+    saved = info.record.get("world_size")
+    if saved == world_size:
+        mine = _safe_torch_load(_rank_file(path, rank))
+        for k, kind in kinds.items():
+            if kind == "per_rank":
+                state[k].load_state_dict(mine["objects"][k])
+        set_rng_state(mine["rng"])
     else:
-        trainer.reshard_progress(saved or world_size)
-    log.info("resumed from %s: step %d, epoch %d, batch %d of the epoch%s", path, trainer.progress.step,
-             trainer.progress.epoch, trainer.progress.batch_in_epoch,
-             "" if saved == world_size else f" (saved at world size {saved}, now {world_size}: resharded)")
+        # Another world size: per-rank RNG streams do not carry over; loaders continue after the
+        # same number of samples where they know how (hpc_train.data.ShardedLoader), else restart.
+        first = _safe_torch_load(_rank_file(path, 0))
+        for k, kind in kinds.items():
+            if kind != "per_rank":
+                continue
+            if hasattr(state[k], "load_resharded"):
+                state[k].load_resharded(first["objects"][k], saved or world_size)
+            else:
+                log.warning("state[%r] cannot continue at world size %d from a checkpoint saved at %s; it "
+                            "starts from its beginning", k, world_size, saved)
+    return info.record
 
 
 def export(path: Path, out: Path) -> int:

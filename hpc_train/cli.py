@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from hpc_train.errors import EXIT_USAGE, UsageError
 
@@ -13,8 +14,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="a job config, e.g. jobs/digits.yaml")
+def _add_config_args(p: argparse.ArgumentParser, targets: bool = False) -> None:
+    if targets:
+        p.add_argument("config", nargs="?", default=None,
+                       help="a job config, e.g. jobs/digits.yaml (optional with --script/--fn: then it gives the "
+                            "job, dist and checkpoint sections)")
+        g = p.add_mutually_exclusive_group()
+        g.add_argument("--script", metavar="PATH", help="run this Python script on every task (torchrun's "
+                       "variables set); its arguments follow `--`")
+        g.add_argument("--fn", metavar="PKG.MOD:FN", help="call this function on every task (it calls "
+                       "hpc_train.init() for its Run)")
+    else:
+        p.add_argument("config", help="a job config, e.g. jobs/digits.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable); e.g. --set optim.lr=0.01")
     p.add_argument("--run-dir", help="where logs, metrics and checkpoints go (default: runs/<job.name>)")
@@ -51,14 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("run", help="train on this machine with N local processes (no Slurm)")
-    _add_config_args(p)
+    _add_config_args(p, targets=True)
     p.add_argument("--nproc", type=int, default=1, help="worker processes (default 1)")
     _add_resume_arg(p)
 
     for name, helptext in (("submit", "submit the job to Slurm through submitit"),
                            ("sbatch", "render a standalone sbatch script (submit it yourself)")):
         p = sub.add_parser(name, help=helptext)
-        _add_config_args(p)
+        _add_config_args(p, targets=True)
         _add_resource_args(p)
         if name == "submit":
             p.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
@@ -115,6 +126,24 @@ def _load(args: argparse.Namespace):
     job = {k: getattr(args, k) for k in RESOURCE_KEYS if getattr(args, k, None) is not None}
     if getattr(args, "job_name", None) is not None:
         job["name"] = args.job_name
+    script, fn = getattr(args, "script", None), getattr(args, "fn", None)
+    if args.config is None and not (script or fn):
+        raise UsageError(f"{args.command}: give a job config (e.g. jobs/digits.yaml), --script PATH or --fn PKG.MOD:FN")
+    if script:
+        path = Path(script)
+        if not path.exists():
+            raise UsageError(f"--script {script}: no such file")
+        if not path.is_file():
+            raise UsageError(f"--script {script}: is a directory, not a Python script")
+        extra["train"] = {"script": str(path.absolute()), "args": list(getattr(args, "script_args", []))}
+        if args.config is None and "name" not in job:
+            job["name"] = path.stem
+    elif getattr(args, "script_args", None):
+        raise UsageError(f"arguments after `--` ({' '.join(args.script_args)}) go to a --script; there is none")
+    if fn:
+        extra["train"] = {"fn": fn}
+        if args.config is None and "name" not in job:
+            job["name"] = fn.rpartition(":")[2] or "fn"
     if job:
         extra["job"] = job
     return config.load(args.config, args.overrides, extra)
@@ -209,8 +238,14 @@ COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first `--` is the script's own command line, untouched by argparse.
+    rest: list[str] = []
+    if "--" in argv:
+        argv, rest = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     try:
         args = ap.parse_args(argv)
+        args.script_args = rest
         if not args.command:
             ap.print_help()
             return EXIT_USAGE

@@ -115,6 +115,8 @@ class TrainSection:
     log_every: int = _f(10, min=1)
     eval: bool = _f(True)                        # evaluate on the held-out split every epoch
     fn: str = _f("")                             # "pkg.mod:fn" replaces the built-in trainer
+    script: str = _f("")                         # a script run on every task instead (python SCRIPT ARGS)
+    args: list = _f([])                          # the script's arguments
 
 
 @dataclass

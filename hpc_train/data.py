@@ -131,3 +131,82 @@ def loader(ds: Dataset, sampler: Any, batch_size: int, num_workers: int, seed: i
                               drop_last=drop_last, generator=torch.Generator().manual_seed(seed),
                               persistent_workers=False, pin_memory=torch.cuda.is_available(),
                               worker_init_fn=_ignore_stop_signals if num_workers else None)
+
+
+class ShardedLoader:
+    """A rank's shard of a map-style dataset, resumable mid-epoch: what ``run.loader()`` returns.
+
+    Wraps a ``DistributedSampler`` and a ``StatefulDataLoader``. Each ``iter()`` is one epoch;
+    the epoch number, the sampler's epoch and the loader's seed advance by themselves, so a loop
+    needs no ``set_epoch``. Its ``state_dict`` is the epoch and, mid-epoch, the loader's
+    position; after a restore the next ``iter()`` yields exactly the batches a straight run
+    would have yielded. Seeds depend on (seed, rank, epoch) only, never on how many epochs this
+    process has run, so a resumed run draws the same ones as a straight run.
+    """
+
+    hpc_train_per_rank = True   # its state differs per rank (hpc_train.state)
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = True, num_workers: int = 0,
+                 max_batches: int | None = None, reshard_multiple: int = 1) -> None:
+        from torch.utils.data import DistributedSampler
+        self.rank, self.world, self.seed = rank, world_size, seed
+        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                          drop_last=drop_last)
+        self.loader = loader(dataset, self.sampler, batch_size, num_workers, seed + rank, drop_last=drop_last)
+        full = len(self.loader)
+        self.batches_per_epoch = min(full, max_batches) if max_batches is not None else full
+        self.reshard_multiple = reshard_multiple
+        self.epoch = 0
+        self.batches = 0           # yielded in the current epoch
+        self._skip = 0
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def __iter__(self):
+        if self.batches < self.batches_per_epoch:   # else restored just after the epoch's last batch
+            self.sampler.set_epoch(self.epoch)
+            self.loader.generator.manual_seed(self.seed + 7919 * self.rank + 104729 * self.epoch)
+            it = iter(self.loader)
+            for _ in range(self._skip):
+                next(it)
+            self._skip = 0
+            while self.batches < self.batches_per_epoch:
+                batch = next(it)
+                self.batches += 1
+                yield batch
+        self.epoch += 1
+        self.batches = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        # The loader's own state only mid-epoch: restoring an exhausted StatefulDataLoader can
+        # drop the next epoch (meta-pytorch/data #1437); "all batches taken" needs no state.
+        mid = 0 < self.batches < self.batches_per_epoch
+        return {"epoch": self.epoch, "batches": self.batches, "loader": self.loader.state_dict() if mid else None}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.epoch, self.batches = int(sd["epoch"]), int(sd["batches"])
+        if sd.get("loader") is not None:
+            self.loader.load_state_dict(sd["loader"])
+
+    def close(self) -> None:
+        """Stop the loader's worker processes. A StatefulDataLoader keeps its last iterator (to
+        report its position), and with it the workers, which would otherwise block the
+        interpreter's exit (multiprocessing joins them at exit, and they wait for the parent)."""
+        it = getattr(self.loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self.loader._iterator = None
+
+    def load_resharded(self, sd: dict[str, Any], saved_world: int) -> None:
+        """Continue a checkpoint saved at another world size after the same number of samples.
+
+        DistributedSampler hands rank r the permutation's elements r, r+W, ...; after b batches
+        per rank at world W the first b*B*W samples are consumed, at any W. So skipping
+        b*W/W' batches at the new world W' continues with exactly the unseen samples.
+        """
+        per_rank = int(sd["batches"]) * saved_world // self.world
+        per_rank -= per_rank % self.reshard_multiple
+        self.epoch, self.batches = int(sd["epoch"]), min(per_rank, self.batches_per_epoch)
+        self._skip = self.batches

@@ -215,3 +215,11 @@ def derive(env: Mapping[str, str]) -> NodeEnv:
 
 def current() -> NodeEnv:
     return derive(os.environ)
+
+
+def torchrun_vars(env: NodeEnv) -> dict[str, str]:
+    """torchrun's variables for this task, whatever launched it: a torchrun-style script reads
+    ``LOCAL_RANK`` etc. and must find them under ``srun`` as it does under ``torchrun``."""
+    return {"RANK": str(env.rank), "LOCAL_RANK": str(env.local_rank), "WORLD_SIZE": str(env.world_size),
+            "LOCAL_WORLD_SIZE": str(env.local_world_size), "GROUP_RANK": str(env.node_rank),
+            "MASTER_ADDR": env.master_addr, "MASTER_PORT": str(env.master_port)}

@@ -68,9 +68,11 @@ def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
 
 
 def _first_error(run_dir: Path, rank: int) -> str:
+    """The error's first paragraph (a script's failure: rank, host and its last lines; a
+    Python error: its one-line summary, not the traceback under it)."""
     err = run_dir / "logs" / f"rank-{rank}.error"
     if err.exists():
-        return err.read_text().splitlines()[0]
+        return err.read_text().split("\n\n")[0].strip() or "(empty error file)"
     return f"no error recorded; see {run_dir / 'logs' / f'rank-{rank}.log'}"
 
 
@@ -142,9 +144,15 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         stopped = run_dir / "stopped.json"
         if failed is None and stopped.exists():
             import json
-            step = json.loads(stopped.read_text()).get("steps")
-            saved = (run_dir / "checkpoints" / f"step-{step}").exists()
-            what = "checkpoint saved" if saved else "stopped"
-            print(f"hpc_train: {what} at step {step}; run the same command to resume", file=sys.stderr)
+            rec = json.loads(stopped.read_text())
+            if rec.get("checkpoint"):
+                print(f"hpc_train: checkpoint saved at step {rec.get('steps')}; run the same command to resume",
+                      file=sys.stderr)
+            elif rec.get("steps") is not None:
+                print(f"hpc_train: stopped at step {rec['steps']} with checkpoints disabled; nothing was saved",
+                      file=sys.stderr)
+            else:
+                print("hpc_train: stopped; hpc_train saved nothing for this code (it never called run.step_end); "
+                      "run the same command to resume from whatever it saved itself", file=sys.stderr)
         return 128 + interrupts["sig"]
     return 0

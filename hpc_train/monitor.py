@@ -68,37 +68,29 @@ class Monitor:
         self.mode = mode
         self._f = self.metrics_path.open("a")
 
-    def step(self, step: int, epoch: int, scalars: dict[str, float], log_line: bool) -> None:
+    def record(self, step: int, scalars: dict[str, float], *, epoch: int | None = None,
+               console: bool = False) -> None:
+        """One step's scalars: ``eval_*`` keys are evaluation results, the rest training."""
         if not self.enabled:
             return
-        rec = {"step": step, "epoch": epoch, "time": time.time(), **scalars}
+        rec = {"step": step, **({"epoch": epoch} if epoch is not None else {}), "time": time.time(), **scalars}
         self._f.write(json.dumps(rec) + "\n")
         if self._tb is not None:
             for k, v in scalars.items():
-                self._tb.add_scalar(f"train/{k}" if k in ("loss", "acc") else k, v, step)
+                self._tb.add_scalar(_tb_tag(k), v, step)
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
-            self._bar.set_postfix(loss=f"{scalars['loss']:.4f}", sps=f"{scalars.get('samples_per_s', 0):.0f}")
-        elif log_line and self.mode == "lines":
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in scalars.items() if k != "lr"})
+        elif console and self.mode == "lines":
             done = step - self.start_step
-            eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
-            log.info("step %d/%d epoch %d loss %.4f acc %.3f lr %.2e %.0f samples/s ETA %s", step, self.total,
-                     epoch, scalars["loss"], scalars["acc"], scalars["lr"], scalars.get("samples_per_s", 0),
-                     _fmt_eta(eta))
-
-    def eval(self, step: int, epoch: int, loss: float, acc: float) -> None:
-        if not self.enabled:
-            return
-        self._f.write(json.dumps({"step": step, "epoch": epoch, "time": time.time(),
-                                  "eval_loss": loss, "eval_acc": acc}) + "\n")
-        self._f.flush()
-        if self._tb is not None:
-            self._tb.add_scalar("eval/loss", loss, step)
-            self._tb.add_scalar("eval/acc", acc, step)
-        msg = f"epoch {epoch} eval: loss {loss:.4f} accuracy {acc:.4f}"
-        if self._bar is not None:
-            self._bar.write(msg)
-        log.info(msg)
+            where = f"step {step}/{self.total}" if self.total else f"step {step}"
+            if epoch is not None:
+                where += f" epoch {epoch}"
+            eta = f" ETA {_fmt_eta((time.perf_counter() - self.t0) / max(done, 1) * (self.total - step))}" \
+                if self.total else ""
+            log.info("%s %s%s", where, " ".join(f"{k} {_fmt(k, v)}" for k, v in scalars.items()), eta)
+        if any(k.startswith("eval_") for k in scalars):
+            self._f.flush()
 
     def flush(self) -> None:
         if self.enabled:
@@ -114,6 +106,20 @@ class Monitor:
         if self._tb is not None:
             self._tb.close()
         self._f.close()
+
+
+def _tb_tag(key: str) -> str:
+    if key.startswith("eval_"):
+        return f"eval/{key[5:]}"
+    return f"train/{key}" if key in ("loss", "acc") else key
+
+
+def _fmt(key: str, v: float) -> str:
+    if key == "lr":
+        return f"{v:.2e}"
+    if key.endswith("per_s"):
+        return f"{v:.0f}"
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 def _truncate_jsonl(path: Path, keep_through_step: int) -> None:

@@ -18,6 +18,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("hpc_train")
 
@@ -30,6 +31,11 @@ class StopRequest:
         self.received_at: float | None = None
         self.count = 0
         self._installed: list[int] = []
+        # Set once the loop has called run.step_end: from then on a stop is only recorded, and
+        # the loop acts on it at its next step boundary. Before that (code that never looks at
+        # the flag) a stop raises StopRun, so it is never swallowed.
+        self.listening = False
+        self.escalate = False
 
     @property
     def requested(self) -> bool:
@@ -44,8 +50,12 @@ class StopRequest:
         self.count += 1
         if self.signum is None:
             self.signum, self.received_at = signum, time.time()
+        if self.escalate and not self.listening:
+            self.escalate = False       # once: the unwinding code may itself be signalled again
+            raise StopRun(signal.Signals(signum).name)
 
-    def install(self, signals: list[str]) -> None:
+    def install(self, signals: list[str], escalate: bool = False) -> None:
+        self.escalate = escalate
         if threading.current_thread() is not threading.main_thread():
             log.warning("not on the main thread; stop signals are not handled")
             return
@@ -73,41 +83,57 @@ def stop_signals(job_signal: str) -> list[str]:
     return ["TERM", "INT", job_signal]
 
 
+class StopRun(BaseException):
+    """Raised by the stop handler in code that never called ``run.step_end``: nothing there
+    would ever look at the flag, so the stop ends the code the way it ends a plain script
+    (a BaseException, like KeyboardInterrupt, so ``except Exception`` does not swallow it)."""
+
+
 class Agreement:
     """What all ranks must agree on after each step, summed over ranks in one collective:
-    ``[stop requested, timed checkpoint due, loss sum, correct, count]``.
+    ``[stop requested, timed checkpoint due, *values]`` where ``values`` are optional sums the
+    loop staged (the built-in trainer's loss sum, correct, count).
 
-    Under DDP it rides on the gradient all-reduce: a comm hook appends these five values to
-    bucket 0, so stopping together costs no extra collective and no extra synchronisation.
-    The values are staged just before the backward of the step's last micro-batch and read
-    after it, when DDP has finished every bucket. Without DDP it is one small all-reduce.
-    The hook averages gradients exactly as DDP's built-in one does (divide, then sum), so the
-    weights are bitwise those of plain DDP.
+    Under DDP (:meth:`attach`) it rides on the gradient all-reduce: a comm hook appends these
+    values to bucket 0, so stopping together costs no extra collective and no extra
+    synchronisation. The flags are read inside the hook, during the step's last backward,
+    and the sums read after it. Without DDP, or when no synced backward ran since the last
+    :meth:`collect`, it is one small all-reduce. The hook averages gradients exactly as DDP's
+    built-in one does (divide, then sum), so the weights are bitwise those of plain DDP.
     """
 
-    def __init__(self, ddp_module=None, multi: bool = False, enabled: bool = True) -> None:
-        self.multi, self.enabled = multi, enabled
+    def __init__(self, multi: bool, flags: Callable[[], list[float]]) -> None:
+        self.multi, self.flags = multi, flags
         self._staged = None
         self._result = None
-        self._hooked = ddp_module is not None and multi and enabled
-        if self._hooked:
+        self.hooked = False
+
+    def attach(self, ddp_module) -> None:
+        if self.multi and not self.hooked:
             ddp_module.register_comm_hook(self, _agreement_hook)
+            self.hooked = True
 
     def stage(self, values) -> None:
-        self._staged, self._result = values, None
+        """Values to sum with this step's agreement (a 1-D tensor on the training device)."""
+        self._staged = values
 
-    def collect(self):
-        """The summed values (a CPU tensor); call after the step's last backward."""
+    def _values(self, device, dtype):
+        import torch
+        flags = torch.tensor(self.flags(), dtype=dtype, device=device)
+        return flags if self._staged is None else torch.cat([flags, self._staged.to(device, dtype)])
+
+    def collect(self, device):
+        """The summed values (a CPU float64 tensor); call after the step's last backward."""
+        import torch
         import torch.distributed as dist
-        staged, result = self._staged, self._result
-        self._staged = self._result = None
-        if not (self.multi and self.enabled):
-            return staged.cpu()
-        if self._hooked and result is not None:
-            return result.cpu()
-        out = staged.clone()
-        dist.all_reduce(out)
-        return out.cpu()
+        result = self._result
+        self._result = None
+        if result is None:
+            result = self._values(device, torch.float32 if self._staged is None else self._staged.dtype)
+            if self.multi:
+                dist.all_reduce(result)
+        self._staged = None
+        return result.double().cpu()
 
 
 def _agreement_hook(state: Agreement, bucket):
@@ -115,10 +141,10 @@ def _agreement_hook(state: Agreement, bucket):
     import torch.distributed as dist
     grads = bucket.buffer()
     grads.div_(dist.get_world_size())             # what DDP's built-in hook does first
-    if bucket.index() != 0 or state._staged is None:
+    if bucket.index() != 0:
         return dist.all_reduce(grads, async_op=True).get_future().then(lambda f: f.value()[0])
     n = grads.numel()
-    buf = torch.cat([grads.flatten(), state._staged.to(grads.dtype)])
+    buf = torch.cat([grads.flatten(), state._values(grads.device, grads.dtype)])
 
     def split(fut):
         out = fut.value()[0]

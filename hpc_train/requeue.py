@@ -193,3 +193,15 @@ def after_srun_lines(python: str, run_dir_expr: str = '"$RUN_DIR"') -> list[str]
     """Shell lines for a batch script, right after srun; ``status`` must hold srun's exit code.
     The hook's exit code becomes the job's (see :func:`hook`)."""
     return [f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status"', "status=$?"]
+
+
+def request_for_stop(cfg, env, run_dir: Path, step: int, stop) -> str:
+    """Rank 0, after a stop's checkpoint (or a stopped script): classify the cause and leave the
+    request for the batch shell. Idempotent per run (see :func:`request`)."""
+    import logging
+    received = getattr(stop, "received_at", None) or time.time()
+    name = getattr(stop, "name", "") or ""
+    cause = classify(name, job_end_time(env.job_id), received, cfg.job.signal_lead)
+    msg = request(Path(run_dir), cause, env.requeue_target or "", env.restart_count, budgets_of(cfg), step)
+    logging.getLogger("hpc_train").warning("%s (signal %s, %.1fs after it)", msg, name, time.time() - received)
+    return msg

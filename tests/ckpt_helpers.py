@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = {
     "seed": 3,
     "data": {"name": "synthetic", "synthetic_size": 512, "batch_size": 16, "num_workers": 0},
-    "model": {"name": "mlp", "hidden": 32, "dropout": 0.25},
+    "model": {"name": "tests.plugins_for_tests:stoppable_mlp", "hidden": 32, "dropout": 0.25},
     "optim": {"name": "adam", "lr": 3e-3, "schedule": "cosine", "warmup_steps": 3, "grad_clip": 1.0},
     "train": {"max_steps": 12, "log_every": 1, "eval": False},
     "checkpoint": {"every_steps": 5, "keep": 2},

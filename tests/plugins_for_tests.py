@@ -123,3 +123,47 @@ def world_report(scale):
     dist.all_reduce(t)
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": float(t) * scale,
             "host": socket.gethostname()}
+
+
+def _stoppable(name: str, cfg):
+    """The built-in model ``name`` with a test-only forward pre-hook: with
+    ``HPC_TRAIN_TEST_STOP_AT_STEP="K"`` (or ``"K:M"``: after micro-batch M of step K), rank 0 sends
+    a real SIGTERM to the ``run`` launcher just before the forward that makes the stop land at
+    step K, and waits (<= 30 s) until the launcher's forwarded SIGTERM has reached it. The stop
+    then takes the public path (launcher -> every rank -> step_end's agreement -> save) at a
+    deterministic step. Weights and state-dict keys are the built-in model's."""
+    import dataclasses
+    import signal
+
+    from hpc_train import models
+    model = models.build(dataclasses.replace(cfg, name=name))
+    spec = os.environ.get("HPC_TRAIN_TEST_STOP_AT_STEP")
+    if not spec or os.environ.get("RANK") != "0":
+        return model
+    import hpc_train
+    run = hpc_train.init()                   # the worker's Run: the trainer builds the model inside it
+    accum = run.config.optim.grad_accum
+    k, _, m = spec.partition(":")
+    # The agreement rides on the last micro-batch's backward, so signal before that forward.
+    call = (int(k) - 1) * accum + min(int(m or accum) + 1, accum)
+    seen = {"n": 0}
+
+    def hook(module, inputs):
+        if not module.training:
+            return
+        seen["n"] += 1
+        if seen["n"] == call:
+            os.kill(os.getppid(), signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while not run.stop_requested and time.monotonic() < deadline:
+                time.sleep(0.01)
+    model.register_forward_pre_hook(hook)
+    return model
+
+
+def stoppable_mlp(cfg):
+    return _stoppable("mlp", cfg)
+
+
+def stoppable_convnet(cfg):
+    return _stoppable("convnet", cfg)

@@ -19,11 +19,11 @@ from ckpt_helpers import (assert_same_weights, export, run, show, steps, train_l
 # 512 synthetic samples, 16 per rank, 2 ranks: 16 micro-batches per rank per epoch.
 CONFIGS = {
     # MLP with dropout, no accumulation, no loader workers: 16 steps per epoch.
-    "mlp-accum1-workers0": ({"model": {"name": "mlp", "hidden": 32, "dropout": 0.25},
+    "mlp-accum1-workers0": ({"model": {"name": "tests.plugins_for_tests:stoppable_mlp", "hidden": 32, "dropout": 0.25},
                              "train": {"max_steps": 20}}, 20),
     # ConvNet (BatchNorm buffers) with dropout, 3 micro-batches per step, 2 loader worker processes,
     # eval at each epoch end: 15 usable micro-batches = 5 steps per epoch.
-    "convnet-accum3-workers2": ({"model": {"name": "convnet", "dropout": 0.3},
+    "convnet-accum3-workers2": ({"model": {"name": "tests.plugins_for_tests:stoppable_convnet", "dropout": 0.3},
                                  "data": {"num_workers": 2}, "optim": {"grad_accum": 3},
                                  "train": {"max_steps": 12, "eval": True},
                                  "checkpoint": {"every_steps": 4}}, 12),

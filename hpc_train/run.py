@@ -1,0 +1,347 @@
+"""The public ``Run``: what a user's own loop, a script, a callable and the built-in trainer hold.
+
+::
+
+    run = hpc_train.init()
+    state = {"model": model, "optim": optimizer, "step": 0}
+    run.restore(state)                       # newest complete checkpoint of run.run_dir, in place
+    while state["step"] < total:
+        ...                                  # the user's forward, backward, optimizer step
+        state["step"] += 1
+        run.log(state["step"], loss=loss.item())
+        if run.step_end(state):              # every rank agrees; saves when due; True on a stop
+            break
+    run.finish({"loss": loss.item()})        # result.json; never after a stop
+
+``init()`` works under every launcher (``hpc_train run/submit/sbatch``, torchrun, a plain
+``srun``) and outside any (one process, defaults). Under hpc_train's own launchers the worker
+builds the Run before the user's code starts, and ``init()`` returns that one.
+
+A stop (Ctrl-C on ``run``, SIGTERM, the job's ``--signal``) is only recorded by the handler.
+``step_end`` folds it into one collective per step, which under DDP rides on the gradient
+all-reduce (:meth:`Run.watch`), so every rank stops at the same step, saves, and returns True.
+Code that never calls ``step_end`` is ended by the stop instead (see
+:class:`hpc_train.preemption.StopRun`), and the run is not marked finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpc_train import config as config_mod
+from hpc_train import environment, rundir
+from hpc_train import state as state_mod
+from hpc_train.config import Config
+from hpc_train.environment import NodeEnv
+from hpc_train.preemption import Agreement, StopRequest, stop_signals
+
+log = logging.getLogger("hpc_train")
+_current: Run | None = None
+
+
+class Run:
+    """One process's handle on the job. Build it with :func:`hpc_train.init`."""
+
+    def __init__(self, cfg: Config, env: NodeEnv, run_dir: Path, device: torch.device, stop: StopRequest) -> None:
+        self.config: Config = cfg
+        self.env: NodeEnv = env
+        self.run_dir: Path = Path(run_dir)
+        self.device: torch.device = device
+        self.stop = stop
+        self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
+        self.local_world_size, self.node_rank = env.local_world_size, env.node_rank
+        self.is_main: bool = env.rank == 0
+        self._multi = dist.is_initialized() and env.world_size > 1
+        self._agreement = Agreement(self._multi, self._flags)
+        self._watched: nn.Module | None = None
+        self._ckpt = None
+        self._monitor = None
+        self._start_step = 0
+        self._last_state: Mapping[str, Any] | None = None
+        self._kinds_cache: tuple[tuple[str, ...], dict[str, str]] | None = None
+        self.checkpoint_record: dict[str, Any] = {"config_hash": cfg.digest()}   # extra commit.json fields
+        self.step_sums: list[float] = []      # the values staged with sum_with_step, summed over ranks
+        self.total_steps: int | None = cfg.train.max_steps or None   # for progress and ETA; a loop may set it
+        self.stopped = False
+        self.finished = False
+        self.stop_step: int | None = None
+
+    # -- what the loop asks ----------------------------------------------------------------
+    @property
+    def stop_requested(self) -> bool:
+        """This process was asked to stop (the agreed decision is what step_end returns)."""
+        return self.stop.requested
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop at the next step boundary, as a stop signal would."""
+        self.stop.request()
+
+    def watch(self, ddp: nn.Module) -> nn.Module:
+        """Let the per-step agreement ride on this DDP module's gradient all-reduce."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        if isinstance(ddp, DDP):
+            self._agreement.attach(ddp)
+            self._watched = ddp
+        return ddp
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to this rank's device and wrap it as ``dist.strategy`` says (DDP by
+        default, when there is more than one rank); the wrapper is watched."""
+        model = model.to(self.device)
+        if not self._multi or self.config.dist.strategy == "none":
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return self.watch(DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None))
+
+    def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, *, drop_last: bool = True,
+               num_workers: int = 0, seed: int | None = None, **kwargs: Any):
+        """This rank's shard of ``dataset``, resumable mid-epoch; each ``iter()`` is one epoch.
+        Put it in ``state`` and a restore continues with exactly the unseen batches."""
+        from hpc_train.data import ShardedLoader
+        return ShardedLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
+                             seed=self.config.seed if seed is None else seed, shuffle=shuffle, drop_last=drop_last,
+                             num_workers=num_workers, **kwargs)
+
+    def sum_with_step(self, values: torch.Tensor) -> None:
+        """Values (a 1-D tensor) to sum over ranks with this step's agreement, at no extra
+        collective under a watched DDP module: stage them before the step's last backward, and
+        read ``run.step_sums`` after ``step_end``."""
+        self._agreement.stage(values.detach().flatten())
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _kinds(self, state: Mapping[str, Any]) -> dict[str, str]:
+        keys = tuple(state)
+        if self._kinds_cache is None or self._kinds_cache[0] != keys:
+            self._kinds_cache = (keys, state_mod.kinds(state))
+        elif isinstance(state["step"], bool) or not isinstance(state["step"], int):
+            state_mod.kinds(state)   # raises the clear error
+        return self._kinds_cache[1]
+
+    def _checkpointer(self):
+        if self._ckpt is None and self.config.checkpoint.enabled:
+            from hpc_train.checkpoint import Checkpointer
+            self._ckpt = Checkpointer(self.config.checkpoint, self.run_dir, self.rank, self.world_size,
+                                      self.checkpoint_record)
+        return self._ckpt
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Load the checkpoint chosen for this run into ``state`` in place (plain values are
+        replaced in the dict); returns the restored step, 0 on a fresh run."""
+        from hpc_train import checkpoint, resume
+        kinds = self._kinds(state)
+        spec = os.environ.get("HPC_TRAIN_RESUME", "latest")
+        plan = resume.plan(self.run_dir, "latest" if spec == "none" else spec, None, warn=log.warning)
+        step = plan.source.step if plan.source else -1
+        if self._multi:
+            t = torch.tensor([step, -step], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if int(t[0]) != step or int(-t[1]) != step:
+                raise checkpoint.CheckpointError(
+                    f"ranks disagree on the checkpoint to resume (rank {self.rank}: step {step}); is {self.run_dir} "
+                    f"on a filesystem every node sees?")
+        if plan.source is not None:
+            error: BaseException | None = None
+            record: dict[str, Any] = {}
+            try:
+                record = checkpoint.load(state, plan.source.path, self.rank, self.world_size, kinds)
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                error = e
+            if self._multi:
+                # A rank that fails alone would sit in its next collective while the others wait
+                # in theirs: a hang until dist.timeout_s. Fail together.
+                failed = torch.tensor([float(error is not None)], device=self.device)
+                dist.all_reduce(failed)
+                if error is None and failed.item() > 0:
+                    error = checkpoint.CheckpointError(f"another rank could not load {plan.source.path}; "
+                                                       f"see {self.run_dir / 'logs'}")
+            if error is not None:
+                raise error
+            saved = record.get("world_size")
+            log.info("resumed from %s: step %d, saved at world size %s%s", plan.source.path, state["step"], saved,
+                     "" if saved == self.world_size else
+                     f" (saved at world size {saved}, now {self.world_size}: resharded)")
+        self._start_step = state["step"] if plan.source is not None else 0
+        if self._ckpt is not None:
+            self._ckpt.last_step = self._start_step
+        return self._start_step
+
+    def _flags(self) -> list[float]:
+        timed = self._ckpt is not None and self._ckpt.due_by_time()
+        return [float(self.stop.requested), float(timed)]
+
+    @torch.no_grad()
+    def _sync_buffers(self) -> None:
+        """Give every rank rank 0's buffers (BatchNorm statistics) before a save or an eval.
+
+        DDP broadcasts rank 0's buffers at the start of every training forward, so rank 0's are
+        the canonical ones; syncing makes the replicated tensors truly equal (DCP writes each
+        one from whichever rank it picks). Training is unchanged by it (the exactness tests).
+        """
+        if self._multi and self._watched is not None:
+            for buf in self._watched.module.buffers():
+                dist.broadcast(buf, 0)
+
+    def step_end(self, state: dict[str, Any]) -> bool:
+        """Call once per optimizer step, after ``state["step"] += 1``. Every rank agrees on a
+        stop and on a timed save; saves when due. Returns True on a stop, once the checkpoint
+        is committed and, under Slurm, the requeue requested: leave the loop."""
+        kinds = self._kinds(state)
+        self.stop.listening = True
+        sums = self._agreement.collect(self.device)
+        stop, timed = bool(sums[0] > 0), bool(sums[1] > 0)
+        self.step_sums = sums[2:].tolist()
+        self._last_state = state
+        step = state["step"]
+        ckpt = self._checkpointer()
+        if ckpt is not None:
+            if self.is_main:
+                ckpt.poll()
+            if ckpt.due(step, force=stop, timed=timed):
+                self._sync_buffers()
+                ckpt.save(state, step, blocking=stop, kinds=kinds)
+        if stop:
+            self._on_stop(step)
+        return stop
+
+    def _on_stop(self, step: int) -> None:
+        self.stopped, self.stop_step = True, step
+        if self._ckpt is not None:
+            self._ckpt.close()
+        if self._monitor is not None:   # the loop may still log this step; closed at exit
+            self._monitor.flush()
+        if self.is_main:
+            saved = self._ckpt is not None
+            rec = {"stopped": True, "steps": step, "stop_signal": self.stop.name,
+                   "stop_received_at": self.stop.received_at, "checkpoint_committed_at": time.time() if saved else None,
+                   "checkpoint": saved}
+            if self.env.job_id:
+                from hpc_train.requeue import request_for_stop
+                rec["requeue"] = request_for_stop(self.config, self.env, self.run_dir, step, self.stop)
+                rec["requeue_requested_at"] = time.time()
+            rundir.write_json(self.run_dir / rundir.STOPPED, rec)
+            log.info("%s by %s at step %d", "checkpoint saved" if saved else "stopped", self.stop.name, step)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def _mon(self):
+        if self._monitor is None:
+            from hpc_train.monitor import Monitor
+            c = self.config
+            self._monitor = Monitor(self.run_dir, self.total_steps, self._start_step, enabled=self.is_main,
+                                    tensorboard=c.log.tensorboard, progress=c.log.progress)
+        return self._monitor
+
+    def log(self, step: int, *, epoch: int | None = None, console: bool | None = None, **scalars: float) -> None:
+        """Rank 0: ``metrics.jsonl`` (with ``step``), TensorBoard, and a console line every
+        ``train.log_every`` steps. Other ranks: nothing. Keys ``eval_*`` go to TensorBoard's
+        ``eval/`` group, ``loss``/``acc`` to ``train/``."""
+        if not self.is_main:
+            return
+        if console is None:
+            console = step % self.config.train.log_every == 0
+        self._mon().record(step, scalars, epoch=epoch, console=console)
+
+    def _close(self) -> None:
+        """Wait for saves, close the reporters and the loaders' worker processes."""
+        if self._ckpt is not None:
+            self._ckpt.close()
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+        if self._last_state is not None:
+            for v in self._last_state.values():
+                if getattr(v, "hpc_train_per_rank", False) and hasattr(v, "close"):
+                    v.close()
+            self._last_state = None
+
+    def finish(self, result: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The run is done: save a final checkpoint of the last state given to ``step_end`` (if
+        that step is not saved yet), write ``result.json`` (rank 0), and return the result. Never
+        marks a stopped run finished."""
+        out = dict(result or {})
+        if self.stopped:
+            log.warning("finish() after a stop: the run is not finished; it resumes when run again")
+            return out
+        ckpt = self._checkpointer()
+        if ckpt is not None and self._last_state is not None and ckpt.due(self._last_state["step"], force=True):
+            self._sync_buffers()
+            ckpt.save(self._last_state, self._last_state["step"], blocking=True, kinds=self._kinds(self._last_state))
+        if self._last_state is not None:
+            out.setdefault("steps", self._last_state["step"])
+        out.setdefault("world_size", self.world_size)
+        self._close()
+        if self.is_main:
+            rundir.write_json(self.run_dir / rundir.RESULT, out)
+            (self.run_dir / rundir.STOPPED).unlink(missing_ok=True)
+        self.finished = True
+        self.stop.ignore_further()
+        return out
+
+
+def current() -> Run | None:
+    """The process's Run, if one was built."""
+    return _current
+
+
+def start(cfg: Config, env: NodeEnv, run_dir: Path, stop: StopRequest, device: torch.device) -> Run:
+    """Make a Run the process's own (the worker does this before the user's code runs)."""
+    global _current
+    _current = Run(cfg, env, run_dir, device, stop)
+    return _current
+
+
+def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.PathLike | None = None,
+         overrides: list[str] = ()) -> Run:
+    """The process's Run: environment, process group, device, rank-prefixed logging, stop
+    signals. A second call returns the same Run.
+
+    Under ``python -m hpc_train run/submit/sbatch`` the config and run directory come from the
+    launcher. Elsewhere (torchrun, plain ``srun``, ``python train.py``): ``config`` (a Config or
+    a YAML path, else defaults plus ``overrides``) and ``run_dir`` (else the config's, else
+    ``runs/<script name>``). A process group the script already initialised is used as is.
+    """
+    global _current
+    if _current is not None:
+        return _current
+    from hpc_train import distributed
+    from hpc_train.monitor import setup_logging
+    env_cfg = os.environ.get(rundir.CONFIG_ENV)
+    if isinstance(config, Config):
+        cfg = config
+    else:
+        cfg = config_mod.load(str(config) if config else env_cfg, list(overrides))
+    rd = Path(run_dir or os.environ.get(rundir.RUN_DIR_ENV) or cfg.run_dir or
+              f"runs/{Path(os.path.basename(__import__('sys').argv[0]) or 'hpc_train').stem or 'hpc_train'}")
+    env = environment.current()
+    setup_logging(env.rank, rd, cfg.log.level)
+    stop = StopRequest()
+    stop.install(stop_signals(cfg.job.signal), escalate=True)
+    if dist.is_initialized():
+        # The script set up its own group (its own init_process_group): use it as it is.
+        backend = dist.get_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
+    else:
+        device = distributed.init(env, cfg.dist)
+        import atexit
+        atexit.register(_teardown)
+    return start(cfg, env, rd, stop, device)
+
+
+def _teardown() -> None:
+    """At exit of a process whose group ``init()`` created: let saves finish, then destroy the
+    group (after a collection, so no DDP reducer outlives it: see hpc_train.distributed)."""
+    import gc
+    run = _current
+    if run is not None:
+        run._close()
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
