@@ -164,6 +164,11 @@ class ShardedLoader:
     def __len__(self) -> int:
         return self.batches_per_epoch
 
+    @property
+    def epochs_done(self) -> int:
+        """Complete epochs (one whose last batch was taken counts, before its iterator ends)."""
+        return self.epoch + (self.batches >= self.batches_per_epoch)
+
     def __iter__(self):
         if self.batches < self.batches_per_epoch:   # else restored just after the epoch's last batch
             self.sampler.set_epoch(self.epoch)

@@ -59,10 +59,12 @@ def inspect(path: Path) -> CkptInfo:
     m = _STEP_RE.match(path.name)
     step = int(m.group(1)) if m else -1
     commit = path / COMMIT
-    if not commit.exists():
+    try:
+        text = commit.read_text()
+    except FileNotFoundError:
         return CkptInfo(step, path, False, "no commit record (the save never finished)")
     try:
-        record = json.loads(commit.read_text())
+        record = json.loads(text)
         files = record["files"]
         if not isinstance(files, dict) or record["step"] != step:
             raise ValueError("bad fields")
@@ -71,12 +73,12 @@ def inspect(path: Path) -> CkptInfo:
     if METADATA not in files:
         return CkptInfo(step, path, False, "commit record lists no DCP .metadata", record)
     for name, size in files.items():
-        f = path / name
-        if not f.exists():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:    # missing, or removed under us (a run pruning while `ckpt list` reads)
             return CkptInfo(step, path, False, f"{name} is missing", record)
-        if f.stat().st_size != int(size):
-            return CkptInfo(step, path, False, f"{name} has {f.stat().st_size} bytes, the record says {size}",
-                            record)
+        if actual != int(size):
+            return CkptInfo(step, path, False, f"{name} has {actual} bytes, the record says {size}", record)
     return CkptInfo(step, path, True, None, record)
 
 

@@ -281,6 +281,8 @@ class Run:
         if self.is_main:
             rundir.write_json(self.run_dir / rundir.RESULT, out)
             (self.run_dir / rundir.STOPPED).unlink(missing_ok=True)
+            if self.config.log.tensorboard and (self.run_dir / "tb").is_dir():
+                log.info("TensorBoard logs: tensorboard --logdir %s", self.run_dir / "tb")
         self.finished = True
         self.stop.ignore_further()
         return out

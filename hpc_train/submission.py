@@ -6,8 +6,10 @@ task. The callable here is :class:`SlurmEntry`, which runs :func:`hpc_train.work
 with the process group already set up.
 
 submitit details that matter (see the shared notes): its stop signal comes from the
-``SUBMITIT_PREEMPT_SIGNAL`` variable (we set it from ``job.signal``); its handlers (rank-0-only
-checkpoint, then exit) are replaced by ours in the worker; it learns state only from sacct.
+``SUBMITIT_PREEMPT_SIGNAL`` variable, read when submitit is imported, so the job's signal is
+passed as an sbatch parameter instead (nothing is set in the caller's environment); its
+handlers (rank-0-only checkpoint, then exit) are replaced by ours in the worker; it learns
+state only from sacct.
 Importing this module does not import torch.
 """
 
@@ -30,41 +32,54 @@ from hpc_train.errors import UsageError
 class SlurmEntry:
     """What submitit runs in every task. Picklable: holds only plain data or a picklable callable."""
 
-    def __init__(self, cfg: dict[str, Any] | None, run_dir: str, fn: Callable[..., Any] | None = None,
+    def __init__(self, cfg: dict[str, Any], run_dir: str, fn: Callable[..., Any] | None = None,
                  args: tuple = (), kwargs: dict[str, Any] | None = None, resume: str = "latest") -> None:
         self.cfg, self.run_dir, self.fn, self.args, self.kwargs = cfg, run_dir, fn, args, kwargs or {}
         self.resume = resume
 
     def __call__(self) -> Any:
+        import signal
+
+        from hpc_train.worker import exit_now, run_worker
         os.environ.setdefault("HPC_TRAIN_RESUME", self.resume)
+        # submitit installed its own handler for its signal (rank-0-only checkpoint, then exit).
+        # One component owns the stop signals: hpc_train's worker installs the job's; any other
+        # that submitit took is ignored, so it cannot cut in.
+        if self.cfg["job"]["signal"] != "USR2":
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         if self.fn is None:
-            from hpc_train.worker import exit_now, run_worker
             try:
                 result = run_worker(self.cfg, self.run_dir)
             except Exception:  # noqa: BLE001 - logged by run_worker; see exit_now for why not raise
                 exit_now(1)
-            if requeue.requested(Path(self.run_dir)):
-                # Leave without a result (as submitit itself does when it requeues): the job is
-                # about to be requeued by the batch shell, and the submitting side's Job must
-                # see the result of the run that finishes, not of this stopped one.
-                raise SystemExit(0)
-            return result
-        from hpc_train.worker import run_callable
-        return run_callable(self.fn, self.args, self.kwargs, self.run_dir)
+        else:
+            # A callable's own exception goes back to the submitting side's Job, as submitit does.
+            result = run_worker(self.cfg, self.run_dir, target=self.fn, args=self.args, kwargs=self.kwargs)
+        if requeue.requested(Path(self.run_dir)):
+            # Leave without a result (as submitit itself does when it requeues): the job is
+            # about to be requeued by the batch shell, and the submitting side's Job must
+            # see the result of the run that finishes, not of this stopped one.
+            raise SystemExit(0)
+        return result
 
 
-def make_executor(cfg: Config, run_dir: Path):
+def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False):
     import submitit
 
     job = cfg.job
-    # submitit's sbatch asks for --signal=$SUBMITIT_PREEMPT_SIGNAL@lead; NCCL may catch USR1.
-    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = job.signal
-    ex = submitit.SlurmExecutor(folder=str(run_dir / "submitit"), max_num_timeout=10**6)
+    cls = submitit.SlurmExecutor
+    if dry_run:
+        # Printing the script needs no cluster; submitit's constructor refuses without srun.
+        cls = type("DryRunSlurmExecutor", (cls,), {"affinity": classmethod(lambda c: 1)})
+    ex = cls(folder=str(run_dir / "submitit"), max_num_timeout=10**6)
     params: dict[str, Any] = dict(
         job_name=job.name, nodes=job.nodes, ntasks_per_node=scheduler.tasks_per_node(job),
         cpus_per_task=job.cpus_per_task, time=scheduler.time_minutes(job.time), signal_delay_s=job.signal_lead,
         setup=list(job.setup) + [f"export SRUN_CPUS_PER_TASK={job.cpus_per_task}"],
-        additional_parameters={"requeue": True, "open-mode": "append"},
+        # submitit writes --signal=$SUBMITIT_PREEMPT_SIGNAL@lead, reading that variable when it is
+        # imported (so setting it here would be too late, and would leak into the caller's
+        # environment). The job's own signal goes in as an sbatch parameter, which wins.
+        additional_parameters={"requeue": True, "open-mode": "append", "signal": f"{job.signal}@{job.signal_lead}"},
         # One dead task ends the step (so the others do not wait on it for a collective timeout).
         srun_args=["--kill-on-bad-exit=1"],
         # After srun: the one requeue, from the batch shell (see hpc_train.requeue).
@@ -87,40 +102,44 @@ def dry_run_text(ex) -> str:
     return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 
-def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, overrides: list[str] = (),
-           run_dir: str | os.PathLike | None = None, resume: str = "latest", **job: Any):
+def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, config: str | os.PathLike | None = None,
+           overrides: list[str] = (), run_dir: str | os.PathLike | None = None, resume: str = "latest",
+           **job: Any):
     """Submit a config (object or YAML path) or any picklable callable; returns submitit's Job.
 
     ``job`` keys are the config's job section (``nodes=2, partition="gpu", time="02:00:00"``).
-    A callable runs in every task with the process group initialised, and receives ``*args``.
+    A callable runs in every task as ``target(*args)``, inside the task's Run: the process group
+    is set up from ``config``'s ``dist`` section (a YAML path; defaults otherwise) and
+    ``overrides``, stop signals are handled, and ``hpc_train.init()`` returns that Run.
     """
     scheduler.require_slurm()
     fn = target if callable(target) and not isinstance(target, Config) else None
+    extra = {"job": job} if job else None
     if isinstance(target, Config):
         cfg = target
+        if job:
+            from hpc_train.config import from_dict
+            d = cfg.to_dict()
+            d["job"].update(job)
+            cfg = from_dict(d)
     elif fn is not None:
-        cfg = load(None, overrides, {"job": job} if job else None)
+        if not job.get("name"):
+            extra = {"job": {**job, "name": getattr(fn, "__name__", "fn")}}
+        cfg = load(config, list(overrides), extra)
     else:
-        cfg = load(target, overrides, {"job": job} if job else None)
-    if fn is None and isinstance(target, Config) and job:
-        from hpc_train.config import from_dict
-        d = cfg.to_dict()
-        d["job"].update(job)
-        cfg = from_dict(d)
+        cfg = load(target, list(overrides), extra)
     rd = Path(run_dir or cfg.resolved_run_dir()).absolute()
     cfg.run_dir = str(rd)
     scheduler.check_resources(cfg.job)
-    if fn is None:
-        from hpc_train import resume as resume_mod
-        plan = resume_mod.plan(rd, resume, cfg)
-        if plan.finished:
-            raise UsageError(f"{rd} holds a finished run (result.json); use another --run-dir to train again")
-        resume = plan.env_value()
+    from hpc_train import resume as resume_mod
+    plan = resume_mod.plan(rd, resume, cfg if fn is None and not cfg.train.script and not cfg.train.fn else None)
+    if plan.finished:
+        raise UsageError(f"{rd} holds a finished run (result.json); use another --run-dir to train again")
     rd.mkdir(parents=True, exist_ok=True)
     from hpc_train import config as config_mod
     config_mod.write(cfg, rd)
     ex = make_executor(cfg, rd)
-    entry = SlurmEntry(cfg.to_dict() if fn is None else None, str(rd), fn, args, resume=resume)
+    entry = SlurmEntry(cfg.to_dict(), str(rd), fn, args, resume=plan.env_value())
     job_obj = ex.submit(entry)
     scheduler.record_job(rd, str(job_obj.job_id), "submitit", folder=str(rd / "submitit"))
     return job_obj
@@ -185,7 +204,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return submit_sweep(args, cfg, rd)
     if args.dry_run:
         scheduler.time_minutes(cfg.job.time)
-        print(dry_run_text(make_executor(cfg, rd)), end="")
+        print(dry_run_text(make_executor(cfg, rd, dry_run=True)), end="")
         return 0
     job = submit(cfg, run_dir=rd, resume=args.resume)
     print(f"submitted job {job.job_id}\n  run directory: {rd}\n  logs: {rd / 'logs'}/rank-*.log "

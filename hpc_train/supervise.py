@@ -96,7 +96,7 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path) -> dict[str, Any]:
             "checkpoint")
         if not handled:     # the script never saw the stop through run.step_end
             stopped_without_checkpoint(cfg, env, rd, stop)
-        log.info("the script stopped (%s, exit %s)", stop.name, _how(code))
+        log.info("the script stopped (%s; it %s)", stop.name, _how(code))
         return {"stopped": True, "exit_code": code}
     if code != 0:
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"

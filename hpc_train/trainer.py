@@ -182,7 +182,7 @@ class Trainer:
             self._eval_and_log(self.loader.epoch)
         result = {"stopped": stopped, "stop_signal": run.stop.name if stopped else None,
                   "train_loss": p.last_loss, "test_accuracy": p.last_eval_acc, "test_loss": p.last_eval_loss,
-                  "steps": st["step"], "epochs": self.loader.epoch, "wall_seconds": time.time() - self.t_start,
+                  "steps": st["step"], "epochs": self.loader.epochs_done, "wall_seconds": time.time() - self.t_start,
                   "world_size": run.world_size, "effective_batch_size": global_batch,
                   "total_steps": self.total_steps, "tb_dir": str(run.run_dir / "tb"), "progress": asdict(p)}
         if not stopped:

@@ -2,7 +2,7 @@
 
 Nothing here is a mock. Runs are started exactly as a user starts them (``run CONFIG --nproc N
 --run-dir D --set ...``); the only test-only mechanism is ``HPC_TRAIN_TEST_STOP_AT_STEP`` (see
-hpc_train/trainer.py), which makes rank 0 send a real SIGTERM to the ``run`` launcher at a chosen
+tests/plugins_for_tests.py: a model plug-in), which makes rank 0 send a real SIGTERM to the ``run`` launcher at a chosen
 step, so the real signal path (launcher -> every rank -> agreed stop -> save) is exercised at a
 deterministic step instead of racing a log line.
 """
@@ -180,6 +180,9 @@ def load_full(path: Path) -> dict[str, Any]:
     assert not missing, f"{path}: items not loaded: {missing}"
     for r in range(int(json.loads((Path(path) / "commit.json").read_text())["world_size"])):
         torch.load(Path(path) / f"rank-{r}.pt", weights_only=True)
+    # The replicated non-DCP entries (schedule, progress, step) under "app.<key>".
+    for k, v in torch.load(Path(path) / "app.pt", weights_only=True).items():
+        state[f"app.{k}"] = v
     return state
 
 

@@ -167,3 +167,65 @@ def stoppable_mlp(cfg):
 
 def stoppable_convnet(cfg):
     return _stoppable("convnet", cfg)
+
+
+def loop_forever(cfg, env, device):
+    """A ``train.fn`` that knows nothing of Run: it never calls step_end, so a stop must end it."""
+    import torch
+    import torch.distributed as dist
+
+    _mark("loop_forever")
+    while True:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        time.sleep(0.05)
+
+
+def run_api_loop():
+    """A callable on the public API: ``hpc_train.init()`` returns the worker's Run."""
+    import json
+
+    import torch
+
+    import hpc_train
+    run = hpc_train.init()
+    info = {"same_run": hpc_train.init() is run, "world_size": run.world_size, "rank": run.rank,
+            "timeout_s": run.config.dist.timeout_s, "LOCAL_RANK": os.environ["LOCAL_RANK"]}
+    (run.run_dir / f"fn-info-rank{run.rank}.json").write_text(json.dumps(info))
+    torch.manual_seed(0)
+    model = run.wrap(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    key = "weights" if os.environ.get("HPC_TEST_STATE_KEYS") == "renamed" else "model"
+    state = {key: model, "optim": opt, "step": 0}
+    run.restore(state)
+    total = run.config.train.max_steps or 10**9
+    while state["step"] < total:
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["step"] += 1
+        run.log(state["step"], loss=loss.item())
+        if run.step_end(state):
+            return {"stopped": state["step"]}
+        time.sleep(0.01)
+    return run.finish({"steps": state["step"]})
+
+
+def bad_state():
+    """Hands restore() a state it must refuse (HPC_TEST_BAD_STATE picks how)."""
+    import threading
+
+    import torch
+
+    import hpc_train
+    run = hpc_train.init()
+    model = run.wrap(torch.nn.Linear(2, 1))
+    case = os.environ["HPC_TEST_BAD_STATE"]
+    if case == "no-step":
+        state = {"model": model}
+    elif case == "bad-object":
+        state = {"model": model, "thing": threading.Lock(), "step": 0}
+    else:
+        state = {"model": model, "loader": torch.utils.data.DataLoader(list(range(8))), "step": 0}
+    run.restore(state)

@@ -89,7 +89,7 @@ def test_kill9_during_checkpoint_writes_never_resumes_from_partial(tmp_path):
             if info.complete:                   # what resume may pick: must be whole and loadable
                 assert verify_one(info) is None, (info.path, verify_one(info))
                 state = load_full(info.path)
-                assert state["trainer.progress.step"] == info.step
+                assert state["app.step"] == info.step
                 assert info.record["world_size"] == 2
 
     print(f"where the {KILLS} kills landed: {dict(where)}")

@@ -81,7 +81,7 @@ def test_export_loads_with_weights_only(copy, tmp_path):
     assert all(isinstance(v, torch.Tensor) for v in w6.values())
     full = load_full(rd / "checkpoints" / "step-6")                  # the same tensors as in the checkpoint
     assert all(torch.equal(full[f"model.{k}"], v) for k, v in w6.items())
-    assert full["trainer.progress.step"] == 6
+    assert full["app.step"] == 6
     assert any(not torch.equal(w6[k], w4[k]) for k in w6)            # --step picks another save
     p = hpc("ckpt", "export", rd, tmp_path / "x.pt", "--step", "5")
     assert p.returncode == 2 and "no checkpoint at step 5 (have: 6, 4, 2)" in p.stderr, show(p)
