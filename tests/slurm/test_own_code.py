@@ -1,0 +1,129 @@
+"""Issue 8 on the real local cluster: a user's own loop (`--script` and `hpc_train.submit(main)`) and
+a torchrun-style script that knows nothing of hpc_train, preempted by `high` jobs, requeued, and
+finished COMPLETED; the own loop bitwise equal to a local straight run at the same world size."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_helpers import ROOT, assert_bitwise, export, losses
+
+pytestmark = pytest.mark.slurm
+
+CHARLM = str(ROOT / "jobs" / "charlm.py")
+STEPS = 2500
+SETS = ["--set", "log.tensorboard=false", "--set", "train.log_every=100", "--set", "checkpoint.every_steps=500"]
+
+
+def _steps(run_dir: Path) -> int:
+    try:
+        return max(losses(run_dir), default=0)
+    except FileNotFoundError:
+        return 0
+
+
+def _preempt_at(slurm, job_id: str, run_dir: Path, at_steps: list[int]) -> None:
+    """For each step count: wait until the job runs past it, then take both nodes with a `high` job."""
+    for step in at_steps:
+        slurm.wait_state(job_id, {"RUNNING"}, 120)
+        deadline = time.monotonic() + 240
+        while _steps(run_dir) < step:
+            assert time.monotonic() < deadline, f"no progress past step {_steps(run_dir)} in {run_dir}"
+            time.sleep(0.3)
+        high = slurm.run("sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", "/dev/null",
+                         "--wrap", "sleep 2", check=True).stdout.strip()
+        slurm.wait_done(high, 180)
+
+
+def _stop_resume_pairs(run_dir: Path) -> list[tuple[int, int]]:
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    saved = [int(s) for s in re.findall(r"checkpoint saved by \S+ at step (\d+)", log)]
+    resumed = [int(s) for s in re.findall(r"resumed from \S+: step (\d+)", log)]
+    return list(zip(saved, resumed))
+
+
+@pytest.fixture(scope="module")
+def local_reference(cluster, tmp_path_factory):
+    """The own loop, straight, locally with 2 processes: what every Slurm run must equal."""
+    d = tmp_path_factory.mktemp("charlm-ref")
+    r = cluster.cli("run", "--script", CHARLM, "--nproc", "2", *SETS, "--run-dir", d / "run", "--",
+                    "--steps", str(STEPS), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return losses(d / "run"), export(cluster, d / "run", d / "ref.pt")
+
+
+def _check_finished_bitwise(slurm, job_id: str, run_dir: Path, tmp_path: Path, ref) -> None:
+    assert slurm.wait_done(job_id, 400) == "COMPLETED"
+    runs = slurm.sacct(job_id)
+    assert [r["State"] for r in runs][-1] == "COMPLETED" and len(runs) == 3, runs
+    pairs = _stop_resume_pairs(run_dir)
+    assert len(pairs) == 2 and all(s == r for s, r in pairs), pairs
+    counts = json.loads((run_dir / "requeue.json").read_text())["counts"]
+    assert counts == {"preemption": 2, "timeout": 0, "failure": 0}, counts
+    ref_losses, ref_weights = ref
+    assert losses(run_dir) == ref_losses
+    assert_bitwise(ref_weights, export(slurm, run_dir, tmp_path / "job.pt"))
+
+
+def test_own_loop_script_preempted_twice_is_bitwise(slurm, local_reference, tmp_path):
+    run_dir = tmp_path / "job"
+    r = slurm.cli("submit", "--script", CHARLM, "--nodes", "2", "--partition", "low", *SETS, "--run-dir", run_dir,
+                  "--", "--steps", str(STEPS))
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    _preempt_at(slurm, job, run_dir, [300, 1300])
+    _check_finished_bitwise(slurm, job, run_dir, tmp_path, local_reference)
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == STEPS
+
+
+def test_python_api_callable_preempted_twice_is_bitwise(slurm, local_reference, tmp_path, monkeypatch):
+    run_dir = tmp_path / "job"
+    for k, v in slurm.env.items():
+        monkeypatch.setenv(k, v)
+    # The callable is pickled by reference: its module must import on the nodes too.
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'jobs'}:{slurm.env['PYTHONPATH']}")
+    monkeypatch.syspath_prepend(str(ROOT / "jobs"))
+    import charlm
+
+    import hpc_train
+    job = hpc_train.submit(charlm.main, ["--steps", str(STEPS)], nodes=2, partition="low", run_dir=run_dir,
+                           overrides=[s for s in SETS if s != "--set"])
+    _preempt_at(slurm, job.job_id, run_dir, [300, 1300])
+    result = job.results()[0]          # the final run's return value: run.finish's result
+    assert result["steps"] == STEPS and "loss" in result, result
+    _check_finished_bitwise(slurm, job.job_id, run_dir, tmp_path, local_reference)
+
+
+def test_unaware_torchrun_script_is_requeued_and_resumes_from_its_snapshot(slurm, tmp_path):
+    run_dir, snap = tmp_path / "job", tmp_path / "snap.pt"
+    r = slurm.cli("submit", "--script", str(ROOT / "jobs" / "ddp_snapshot.py"), "--nodes", "2", "--partition", "low",
+                  "--run-dir", run_dir, "--", "--epochs", "10", "--epoch-sleep", "1.5", "--snapshot", snap)
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    slurm.wait_state(job, {"RUNNING"}, 120)
+    deadline = time.monotonic() + 120
+    while not snap.exists():
+        assert time.monotonic() < deadline, "no snapshot written"
+        time.sleep(0.2)
+    high = slurm.run("sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", "/dev/null",
+                     "--wrap", "sleep 2", check=True).stdout.strip()
+    slurm.wait_done(high, 180)
+    assert slurm.wait_done(job, 400) == "COMPLETED"
+    runs = slurm.sacct(job)
+    assert len(runs) == 2 and runs[-1]["State"] == "COMPLETED", runs
+    assert json.loads((run_dir / "requeue.json").read_text())["counts"]["preemption"] == 1
+    log0 = (run_dir / "logs" / "rank-0.log").read_text()
+    assert re.search(r"resuming training from snapshot at epoch [1-9]", log0), log0[-3000:]
+    assert "epoch 9 loss" in log0
+    for rank in (0, 1):       # torchrun's variables on every rank, under srun, in both runs
+        lines = [x for x in (run_dir / "logs" / f"rank-{rank}.log").read_text().splitlines()
+                 if x.startswith("torchrun variables:")]
+        assert len(lines) == 2, lines
+        assert all(f"RANK={rank} LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 GROUP_RANK={rank} MASTER_ADDR=node1 "
+                   in x for x in lines), lines
+    assert (run_dir / "result.json").exists()
