@@ -1,6 +1,6 @@
 """Checkpoint benchmark (issue 3): what a save costs, against what the disk can do.
 
-One run, 2 gloo ranks (torch.multiprocessing), the real hpc_train Trainer holding an MLP whose
+One run, 2 gloo ranks (torch.multiprocessing), the real hpc_train Trainer's state holding an MLP whose
 model + Adam state is >= 200 MB, saved through the real ``hpc_train.checkpoint.Checkpointer``:
 
 * **sync save**: ``Checkpointer.save(blocking=True)``: rank files, DCP shards from both ranks
@@ -102,7 +102,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from hpc_train import checkpoint, config, distributed, environment
+    from hpc_train import run as run_mod
     from hpc_train.monitor import setup_logging
+    from hpc_train.preemption import StopRequest
     from hpc_train.trainer import Trainer
 
     root = Path(args.dir)
@@ -115,12 +117,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                              "checkpoint.async_save=true", f"run_dir={run_dir}"])
     env = environment.current()
     device = distributed.init(env, cfg.dist)
-    trainer = Trainer(cfg, env, device, run_dir)
+    trainer = Trainer(cfg, run_mod.start(cfg, env, run_dir, StopRequest(), device))
     trainer.fit()                                       # one real step: Adam's moments exist
+    state = trainer.state                               # what the checkpointer sees: a mapping of state objects
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
     tensors = [*model_sd.values(), *(v for per_param in optim_sd["state"].values() for v in per_param.values())]
     state_bytes = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
-    ck = checkpoint.Checkpointer(cfg, run_dir, rank, world)
+    ck = checkpoint.Checkpointer(cfg.checkpoint, run_dir, rank, world)
     pg = ck.pg
     block = os.urandom(BLOCK)
 
@@ -138,16 +141,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     for rep in range(args.repeats + 1):                 # round 0 warms up (allocations, first-call costs)
         keep = rep > 0
         step += 1
-        trainer.progress.step = step
-        t = timed(lambda: ck.save(trainer, blocking=True))
+        state["step"] = step
+        t = timed(lambda: ck.save(state, step, blocking=True))
         sync_dir = checkpoint._dir_for(run_dir, step)
         ckpt_bytes = _dir_bytes(sync_dir)
 
         step += 1
-        trainer.progress.step = step
+        state["step"] = step
         dist.barrier(group=pg)
         t0 = time.perf_counter()
-        ck.save(trainer, blocking=False)
+        ck.save(state, step, blocking=False)
         blocked = torch.tensor([time.perf_counter() - t0])
         ck.wait()
         dist.barrier(group=pg)
@@ -201,8 +204,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
         if rank == 0:
             _evict(sync_dir)
-        t_cold = timed(lambda: checkpoint.load(trainer, sync_dir, world))
-        t_warm = timed(lambda: checkpoint.load(trainer, sync_dir, world))
+        t_cold = timed(lambda: checkpoint.load(state, sync_dir, rank, world))
+        t_warm = timed(lambda: checkpoint.load(state, sync_dir, rank, world))
         if rank == 0:                                   # keep the disk tidy between rounds
             shutil.rmtree(sync_dir)
             shutil.rmtree(checkpoint._dir_for(run_dir, step))

@@ -123,9 +123,9 @@ def bench_agreement(tmp: Path, reps: int, steps: int) -> None:
     for i in range(reps):
         for label, store in (("on", on), ("off", off)):
             run_dir = tmp / f"agree-{label}-{i}"
-            e = dict(env, HPC_TRAIN_BENCH_NO_AGREEMENT="1") if label == "off" else env
+            off_flags = ["--set", "train.fn=benchmarks.no_agreement:train"] if label == "off" else []
             r = subprocess.run([PY, "-m", "hpc_train", "run", DIGITS, "--nproc", "2", "--run-dir", str(run_dir),
-                                *flags], env=e, capture_output=True, text=True, cwd=ROOT)
+                                *flags, *off_flags], env=env, capture_output=True, text=True, cwd=ROOT)
             if r.returncode != 0:
                 raise RuntimeError(r.stderr)
             store.append(_sps(run_dir, skip=20))

@@ -1,0 +1,187 @@
+"""What the `Run` API costs a user's own loop: jobs/charlm.py through hpc_train against the same
+loop hand-written with plain DDP, in one run.
+
+    .venv/bin/python benchmarks/own_loop.py [--reps 5] [--steps 400] [--warmup 50]
+
+* **hand-written**: the example's model, data and optimizer in the loop the PyTorch DDP
+  tutorials teach (``torch.multiprocessing.spawn``, ``init_process_group``, ``DistributedSampler``,
+  ``DataLoader``, ``DDP``), with ``loss.item()`` every step as the example logs it; one torch
+  thread per rank, as hpc_train sets.
+* **Run**: ``python -m hpc_train run --script jobs/charlm.py --nproc 2`` unchanged: ``run.wrap``
+  (DDP with the stop agreement riding on its all-reduce), ``run.loader``, ``run.log`` every step
+  (metrics.jsonl; TensorBoard off, as the hand-written loop has none), ``run.step_end`` every step,
+  and an async DCP checkpoint every 100 steps.
+
+Both sides stamp rank 0's wall clock once per step; the rate is global samples over the steps
+after ``warmup`` (steady state), and the median step (robust to neighbours). Variants run
+interleaved; medians of the repetitions are compared. It also prints what one ``step_end`` costs
+without a watched DDP module (one small all-reduce of two floats, 2 gloo ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, WORLD, SEED = 32, 2, 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hand_worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sys.path.insert(0, str(ROOT / "jobs"))
+    from charlm import TEXT, CharMLP, CharWindows
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(SEED)
+    data = CharWindows(TEXT.read_text(), 16)
+    model = DDP(CharMLP(len(data.chars), 16))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min((s + 1) / warmup, 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / steps)))))
+    sampler = DistributedSampler(data, shuffle=True, seed=SEED, drop_last=True)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler, drop_last=True)
+    loss_fn = nn.CrossEntropyLoss()
+    stamps, step, epoch = [], 0, 0
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            optim.step()
+            sched.step()
+            step += 1
+            loss.item()
+            stamps.append(time.time())
+            if step >= steps:
+                break
+        epoch += 1
+    if rank == 0:
+        Path(out).write_text(json.dumps({"stamps": stamps}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_hand(steps: int, work: Path) -> list[float]:
+    out = work / "hand.json"
+    code = ("import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import own_loop; "
+            "mp.spawn(own_loop._hand_worker, args=(2, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]), nprocs=2)")
+    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(_free_port()), str(steps), str(out)],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["stamps"]
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    return env
+
+
+def run_api(steps: int, work: Path, tag: str) -> list[float]:
+    rd = work / f"run-{tag}"
+    r = subprocess.run([sys.executable, "-m", "hpc_train", "run", "--script", str(ROOT / "jobs" / "charlm.py"),
+                        "--nproc", str(WORLD), "--run-dir", str(rd), "--set", f"seed={SEED}",
+                        "--set", f"data.batch_size={BATCH}", "--set", "log.tensorboard=false",
+                        "--set", "checkpoint.every_steps=100", "--", "--steps", str(steps)],
+                       cwd=ROOT, env=_clean_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"hpc_train run failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    recs = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
+    by_step = {rec["step"]: rec["time"] for rec in recs if "loss" in rec}
+    assert sorted(by_step) == list(range(1, steps + 1)), "metrics.jsonl misses steps"
+    return [by_step[s] for s in range(1, steps + 1)]
+
+
+def step_end_cost() -> dict:
+    """``--fn`` target: the median cost of one ``step_end`` with no watched DDP module."""
+    import torch
+
+    import hpc_train
+    run = hpc_train.init()
+    state = {"model": torch.nn.Linear(4, 4), "step": 0}
+    times = []
+    for _ in range(600):
+        state["step"] += 1
+        t0 = time.perf_counter()
+        run.step_end(state)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times[100:])
+    if run.is_main:
+        (run.run_dir / "step_end.json").write_text(json.dumps({"median_s": med}))
+    return run.finish({"median_s": med})
+
+
+def measure_step_end(work: Path) -> float:
+    rd = work / "step-end"
+    r = subprocess.run([sys.executable, "-m", "hpc_train", "run", "--fn", "benchmarks.own_loop:step_end_cost",
+                        "--nproc", str(WORLD), "--run-dir", str(rd), "--set", "checkpoint.enabled=false",
+                        "--set", "log.tensorboard=false"], cwd=ROOT, env=_clean_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-3000:])
+    return json.loads((rd / "step_end.json").read_text())["median_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--warmup", type=int, default=50)
+    args = ap.parse_args(argv)
+    variants = {"hand": "hand-written DDP loop", "run": "Run API (jobs/charlm.py), async ckpt every 100"}
+    steady: dict[str, list[float]] = {k: [] for k in variants}
+    typical: dict[str, list[float]] = {k: [] for k in variants}
+    print(f"char-level MLP (jobs/charlm.py), batch {BATCH}/rank x {WORLD} ranks (gloo, 1 thread/rank), "
+          f"{args.steps} steps, rate over steps {args.warmup + 1}-{args.steps}; {args.reps} interleaved reps",
+          flush=True)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as tmp:
+        work = Path(tmp)
+        for rep in range(args.reps):
+            for key in variants:
+                stamps = run_hand(args.steps, work) if key == "hand" else run_api(args.steps, work, f"{rep}")
+                w = args.warmup
+                steady[key].append((len(stamps) - w) * BATCH * WORLD / (stamps[-1] - stamps[w - 1]))
+                typical[key].append(BATCH * WORLD / statistics.median(
+                    b - a for a, b in zip(stamps[w - 1:], stamps[w:])))
+                print(f"  rep {rep + 1}: {variants[key]:48s} {steady[key][-1]:8.0f} samples/s "
+                      f"(median step: {typical[key][-1]:.0f})", flush=True)
+        cost = measure_step_end(work)
+    for title, table in (("steady-state samples/s", steady), ("samples/s of the median step", typical)):
+        med = {k: statistics.median(v) for k, v in table.items()}
+        print(f"\n{title}: hand-written {med['hand']:.0f}, Run {med['run']:.0f}, ratio {med['run'] / med['hand']:.3f}")
+    ratio = statistics.median(steady["run"]) / statistics.median(steady["hand"])
+    print(f"\nRun / hand-written (median steady-state samples/s): {ratio:.3f} "
+          f"(target >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'})")
+    print(f"step_end without a watched DDP module (one 2-float all-reduce, 2 gloo ranks): {cost * 1e6:.0f} us/step "
+          f"(median of 500)")
+    print(f"total {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
