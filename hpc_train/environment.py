@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hpc_train.errors import UsageError
+from hpc_train.errors import UsageError, show
 
 # Derived ports live here; below 1024 is privileged, above ~60999 is the usual ephemeral range.
 PORT_BASE, PORT_SPAN = 20000, 40000
@@ -77,17 +77,23 @@ class NodeEnv:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+# Ranks, counts and ids from Slurm and torchrun are unsigned 32-bit at most; a negative one
+# would index lists from the end instead of failing.
+_INT_MAX = 2**31 - 1
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None, lo: int = 0, hi: int = _INT_MAX) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         if default is None:
             raise UsageError(f"environment: {name} is not set; it is required here "
                              f"(run `python -m hpc_train env` to see what was derived)")
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise UsageError(f"environment: {name} must be an integer, got {raw!r}") from None
+    # ASCII digits only: int() also takes '1_0', '١٢' and ' 3', none of which Slurm writes.
+    text = raw.strip()
+    if not re.fullmatch(r"-?[0-9]{1,12}", text) or not lo <= int(text) <= hi:
+        raise UsageError(f"environment: {name} must be an integer from {lo} to {hi}, got {name}={show(raw)}")
+    return int(text)
 
 
 def expand_hostlist(nodelist: str) -> list[str]:
@@ -95,19 +101,33 @@ def expand_hostlist(nodelist: str) -> list[str]:
     import hostlist  # python-hostlist: pure Python, handles several bracket groups and padding
 
     try:
-        return hostlist.expand_hostlist(nodelist)
+        hosts = hostlist.expand_hostlist(nodelist)
     except hostlist.BadHostlist as e:
-        raise UsageError(f"environment: cannot parse the Slurm node list {nodelist!r}: {e}") from None
+        raise UsageError(f"environment: cannot parse the Slurm node list {show(nodelist)}: {e}") from None
+    if not hosts:   # ',' expands to nothing, and hosts[0] is the rendezvous address
+        raise UsageError(f"environment: the Slurm node list {show(nodelist)} names no host; Slurm writes e.g. "
+                         f"node[1-4],gpu01")
+    return hosts
 
 
-def parse_tasks_per_node(spec: str) -> list[int]:
+# The expanded list is built in memory: a corrupt repeat count must fail, not allocate terabytes.
+_MAX_NODES = 1_000_000
+
+
+def parse_tasks_per_node(spec: str, name: str = "SLURM_TASKS_PER_NODE") -> list[int]:
     """``SLURM_TASKS_PER_NODE`` (``2(x3),1``) as one count per node."""
+    valid = "Slurm writes N or N(xK) per group of nodes, N and K >= 1, comma-separated (e.g. 2(x3),1)"
     out: list[int] = []
     for part in spec.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        m = re.fullmatch(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?", part.strip())
         if not m:
-            raise UsageError(f"environment: cannot parse SLURM_TASKS_PER_NODE={spec!r}")
-        out += [int(m.group(1))] * int(m.group(2) or 1)
+            raise UsageError(f"environment: cannot parse {name}={show(spec)}; {valid}")
+        tasks, repeat = int(m.group(1)), int(m.group(2) or 1)
+        if tasks < 1 or repeat < 1:
+            raise UsageError(f"environment: {name}={show(spec)} has a count of 0 in {part.strip()!r}; {valid}")
+        if len(out) + repeat > _MAX_NODES:
+            raise UsageError(f"environment: {name}={show(spec)} describes more than {_MAX_NODES} nodes; {valid}")
+        out += [tasks] * repeat
     return out
 
 
@@ -119,16 +139,17 @@ def derive_port(env: Mapping[str, str], job_id: str | None) -> int:
     hash, so two jobs collide only 40000 ids apart); every array task has its own job id.
     """
     if env.get("MASTER_PORT"):
-        port = _int(env, "MASTER_PORT")
-        if not 1024 <= port <= 65535:
-            raise UsageError(f"environment: MASTER_PORT must be in 1024-65535, got {port}")
-        return port
+        return _int(env, "MASTER_PORT", lo=1024, hi=65535)
     resv = env.get("SLURM_STEP_RESV_PORTS")
     if resv:
-        m = re.match(r"(\d+)", resv)
+        m = re.match(r"([0-9]{1,6})", resv)
         if m:
+            if not 1 <= int(m.group(1)) <= 65535:
+                raise UsageError(f"environment: SLURM_STEP_RESV_PORTS={show(resv)} does not start with a port "
+                                 f"(1-65535); Slurm writes e.g. 12000-12003")
             return int(m.group(1))
-    if job_id and job_id.isdigit():
+    # isdigit() is true for '²', which int() refuses; very long ids would hit int()'s digit limit.
+    if job_id and re.fullmatch(r"[0-9]{1,18}", job_id):
         return PORT_BASE + int(job_id) % PORT_SPAN
     if job_id:  # non-numeric ids (never seen from Slurm, but be total)
         return PORT_BASE + sum(map(ord, job_id)) * 7919 % PORT_SPAN
@@ -176,8 +197,9 @@ def _from_slurm(env: Mapping[str, str]) -> NodeEnv:
     world = _int(env, "SLURM_STEP_NUM_TASKS", 0) or _int(env, "SLURM_NTASKS")
     rank, local_rank = _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID")
     node_rank = _int(env, "SLURM_NODEID")
-    per_node_spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    per_node = parse_tasks_per_node(per_node_spec) if per_node_spec else [world // max(len(hosts), 1)]
+    spec_name = "SLURM_STEP_TASKS_PER_NODE" if env.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+    per_node_spec = env.get(spec_name)
+    per_node = parse_tasks_per_node(per_node_spec, spec_name) if per_node_spec else [world // max(len(hosts), 1)]
     local_world = per_node[node_rank] if node_rank < len(per_node) else per_node[-1]
     if not (0 <= rank < world and 0 <= local_rank < local_world):
         raise UsageError(f"environment: inconsistent Slurm ranks SLURM_PROCID={rank} SLURM_NTASKS={world} "

@@ -21,3 +21,11 @@ def closest(word: str, choices: Iterable[str]) -> str:
     """A ``; did you mean 'x'?`` suffix for ``word`` among ``choices``, or ``""``."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def show(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a message quotes what it refuses, and what it
+    refuses may be a megabyte pasted into ``--set`` or an environment variable. ``repr`` also
+    escapes newlines, which keeps the message to one line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} characters)"

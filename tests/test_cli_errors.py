@@ -17,6 +17,14 @@ FILES = {
     "list.yaml": "- optim\n- data\n",
     "unknown.yaml": "data:\n  batchsize: 8\n",
     "wrongtype.yaml": "data:\n  batch_size: big\n",
+    # Nine levels of nine aliases: 9**9 strings once expanded ("billion laughs").
+    "bomb.yaml": 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+        f"{x}: &{x} [{', '.join([f'*{p}'] * 9)}]\n" for p, x in zip("abcdefgh", "bcdefghi")),
+    "dup.yaml": "optim:\n  lr: 0.1\n  lr: 0.2\n",
+    "latin1.yaml": b"job:\n  name: caf\xe9\n",
+    "ctrl.yaml": "job:\n  name: a\x07b\n",
+    "deep.yaml": "job:\n  setup: " + "[" * 3000 + "]" * 3000 + "\n",
+    "sexagesimal.yaml": "job:\n  signal_lead: 1:30\n",
 }
 
 # (id, argv, extra environment, substrings the one line must contain). {tmp} and {run} are
@@ -24,7 +32,21 @@ FILES = {
 RUN = ("run", "jobs/digits.yaml", "--run-dir", "{run}")
 CASES = [
     ("missing-config-file", ("run", "{tmp}/nope.yaml", "--run-dir", "{run}"), {}, ("config file not found", "nope.yaml")),
-    ("config-is-a-directory", ("run", "{tmp}", "--run-dir", "{run}"), {}, ("config file not found",)),
+    ("config-is-a-directory", ("run", "{tmp}", "--run-dir", "{run}"), {}, ("is a directory", "YAML file")),
+    ("config-is-a-directory-config", ("config", "{tmp}"), {}, ("is a directory",)),
+    ("config-path-too-long", ("config", "{tmp}/" + "a" * 5000), {}, ("cannot read", "File name too long")),
+    ("config-not-utf8", ("run", "{tmp}/latin1.yaml", "--run-dir", "{run}"), {},
+     ("latin1.yaml", "not UTF-8", "0xe9", "line 2")),
+    ("control-character-in-file", ("config", "{tmp}/ctrl.yaml"), {}, ("ctrl.yaml", "line 2", "U+0007")),
+    ("alias-bomb", ("run", "{tmp}/bomb.yaml", "--run-dir", "{run}"), {}, ("bomb.yaml", "alias *a", "not allowed")),
+    ("alias-bomb-config", ("config", "{tmp}/bomb.yaml"), {}, ("bomb.yaml", "alias *a")),
+    ("duplicate-key", ("run", "{tmp}/dup.yaml", "--run-dir", "{run}"), {},
+     ("dup.yaml", "duplicate key 'lr'", "line 3", "first at line 2")),
+    ("deeply-nested-yaml", ("run", "{tmp}/deep.yaml", "--run-dir", "{run}"), {}, ("deep.yaml", "nested deeper")),
+    ("int-field-sexagesimal-in-file", ("run", "{tmp}/sexagesimal.yaml", "--run-dir", "{run}"), {},
+     ("job.signal_lead", "'1:30'", "decimal digits")),
+    ("int-field-underscore", (*RUN, "--set", "optim.warmup_steps=1_000"), {},
+     ("optim.warmup_steps", "'1_000'", "decimal digits")),
     ("malformed-yaml", ("run", "{tmp}/malformed.yaml", "--run-dir", "{run}"), {}, ("not valid YAML", "line")),
     ("yaml-not-a-mapping", ("run", "{tmp}/list.yaml", "--run-dir", "{run}"), {}, ("mapping",)),
     ("unknown-key", (*RUN, "--set", "optim.lrr=0.1"), {}, ("optim.lrr", "did you mean 'lr'", "valid keys")),
@@ -36,6 +58,13 @@ CASES = [
     ("out-of-range", (*RUN, "--set", "data.test_fraction=0.95"), {}, ("data.test_fraction", "<= 0.9")),
     ("bad-set-syntax-no-equals", (*RUN, "--set", "optim.lr"), {}, ("--set", "section.key=value")),
     ("bad-set-syntax-no-key", (*RUN, "--set", "=0.1"), {}, ("--set",)),
+    ("set-empty", (*RUN, "--set", ""), {}, ("--set", "section.key=value")),
+    ("set-three-parts", (*RUN, "--set", "a.b.c=1"), {}, ("--set", "section.key=value", "'a.b.c=1'")),
+    ("set-top-level-as-section", (*RUN, "--set", "seed.x=1"), {}, ("'seed' is a top-level key", "--set seed=VALUE")),
+    ("set-section-to-a-scalar", (*RUN, "--set", "optim=1"), {}, ("section 'optim'", "--set optim.KEY=VALUE")),
+    ("set-huge-value", (*RUN, "--set", "data.batch_size=" + "x" * 100_000), {}, ("data.batch_size", "characters)")),
+    ("set-unicode-digits", (*RUN, "--set", "seed=١٢"), {}, ("seed", "'١٢'", "decimal digits")),
+    ("set-alias", (*RUN, "--set", "job.setup=[*a]"), {}, ("--set job.setup", "alias *a")),
     ("unknown-model", (*RUN, "--set", "model.name=resnet"), {}, ("model.name", "convnet")),
     ("unknown-dataset", (*RUN, "--set", "data.name=imagenet"), {}, ("data.name", "digits")),
     ("import-path-module-missing", (*RUN, "--set", "model.name=no_such_pkg_hpc.models:build"), {},
@@ -72,14 +101,14 @@ def test_bad_input(run_cli, clean_env, tmp_path, argv, extra_env, needles):
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA devices: nccl is valid here")
     for name, text in FILES.items():
-        (tmp_path / name).write_text(text)
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     run_dir = tmp_path / "run"
     before = snapshot(tmp_path)
     r = run_cli(*(a.format(tmp=tmp_path, run=run_dir) for a in argv), env=clean_env(**extra_env), timeout=120)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     lines = r.stderr.splitlines()
-    assert len(lines) == 1, r.stderr
+    assert len(lines) == 1 and len(lines[0]) < 400, r.stderr[:1000]
     missing = [n for n in needles if n not in lines[0]]
     assert not missing, f"{lines[0]!r} lacks {missing}"
     assert r.stdout == ""
@@ -97,3 +126,24 @@ def test_an_existing_run_directory_is_left_unchanged(run_cli, tmp_path):
         r = run_cli("run", "jobs/digits.yaml", "--run-dir", run_dir, *bad)
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
         assert snapshot(tmp_path) == before
+
+
+# Values that `config` accepted although they break a run later (a timedelta overflow, numpy's
+# seed range, sbatch --signal's limit, NaN through the optimizer): both commands refuse them the
+# same way, because both go through config.load.
+SAME_FOR_BOTH = ["dist.timeout_s=1e15", "dist.init_timeout_s=1e9", "seed=1e23", "seed=4294967296",
+                 "optim.lr=.nan", "optim.momentum=.inf", "checkpoint.every_seconds=1e9", "job.signal_lead=70000"]
+
+
+@pytest.mark.parametrize("item", SAME_FOR_BOTH)
+def test_config_and_run_refuse_alike(run_cli, tmp_path, item):
+    run_dir = tmp_path / "run"
+    field = item.partition("=")[0]
+    stderr = {}
+    for argv in (("config", "jobs/digits.yaml"), ("run", "jobs/digits.yaml", "--run-dir", run_dir)):
+        r = run_cli(*argv, "--set", item)
+        assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.splitlines()) == 1 and f"{field} must be" in r.stderr, r.stderr
+        stderr[argv[0]] = r.stderr
+    assert stderr["config"] == stderr["run"]
+    assert not run_dir.exists()

@@ -206,25 +206,70 @@ def test_derive_local_launcher_beats_stale_slurm_variables():
     assert (e.source, e.rank, e.world_size, e.master_port) == ("local", 0, 2, 40000)
 
 
+def task(**over) -> dict[str, str]:
+    """A valid srun task (rank 0 of 2 on node[1-2]) with some variables replaced."""
+    return {**srun_task("node[1-2]", 2, "1(x2)", rank=0, local=0, node=0), **over}
+
+
+# Each case: the message names the variable, the value it refuses and what would be valid.
 @pytest.mark.parametrize("env,needle", [
     ({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, "srun"),
     ({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "4294967294", "SLURM_PROCID": "0"}, "srun"),
     (srun_task("node[1-", 2, "1(x2)", rank=0, local=0, node=0), "node list"),
     (srun_task("node[3-1]", 2, "1(x2)", rank=0, local=0, node=0), "node list"),
-    (srun_task("node[1-2]", 2, "two", rank=0, local=0, node=0), "SLURM_TASKS_PER_NODE"),
+    (srun_task("node[1-2]", 2, "two", rank=0, local=0, node=0), ("SLURM_STEP_TASKS_PER_NODE='two'", "N(xK)")),
     (srun_task("node[1-2]", 2, "1(x2)", rank=2, local=0, node=1), "SLURM_PROCID"),
     ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4"),
     ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK"),
     ({"MASTER_PORT": "80"}, "MASTER_PORT"),
     ({"MASTER_PORT": "abc"}, "MASTER_PORT"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+    # A repeat count or a task count of 0 left an empty list (IndexError), a huge repeat count
+    # allocated one entry per node.
+    (task(SLURM_STEP_TASKS_PER_NODE="2(x0)"), ("SLURM_STEP_TASKS_PER_NODE='2(x0)'", "K >= 1", "2(x3),1")),
+    (task(SLURM_STEP_TASKS_PER_NODE="", SLURM_TASKS_PER_NODE="2(x0)"), ("SLURM_TASKS_PER_NODE='2(x0)'", "K >= 1")),
+    (task(SLURM_STEP_TASKS_PER_NODE="0,2"), ("SLURM_STEP_TASKS_PER_NODE='0,2'", "N and K >= 1")),
+    (task(SLURM_STEP_TASKS_PER_NODE="1(x999999999)"), ("'1(x999999999)'", "more than 1000000 nodes")),
+    (task(SLURM_STEP_TASKS_PER_NODE="１(x2)"), ("'１(x2)'", "N(xK)")),
+    # A negative node id indexed the task counts from the end and was reported as node_rank -1.
+    (task(SLURM_NODEID="-1"), ("SLURM_NODEID='-1'", "from 0 to")),
+    (task(SLURM_PROCID="x"), ("SLURM_PROCID='x'", "integer from 0 to")),
+    # int() reads '1_0' as 10 and '١' as 1; Slurm writes neither.
+    (task(SLURM_PROCID="1_0"), ("SLURM_PROCID='1_0'", "integer from 0 to")),
+    (task(SLURM_PROCID="١"), ("SLURM_PROCID='١'", "integer from 0 to")),
+    (task(SLURM_PROCID="9" * 5000), ("SLURM_PROCID='999", "characters)", "integer from 0 to")),
+    (task(SLURM_LOCALID="-1"), ("SLURM_LOCALID='-1'", "from 0 to")),
+    (task(SLURM_RESTART_COUNT="-3"), ("SLURM_RESTART_COUNT='-3'", "from 0 to")),
+    (task(SLURM_STEP_NUM_TASKS="", SLURM_NTASKS="two"), ("SLURM_NTASKS='two'", "integer")),
+    ({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "x"}, ("SLURM_NTASKS='x'", "integer")),
+    ({"RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "-1"}, ("GROUP_RANK='-1'", "from 0 to")),
+    ({"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "x"}, ("TORCHELASTIC_RESTART_COUNT='x'",)),
+    # ',' expands to no host at all: hosts[0] raised IndexError.
+    (task(SLURM_STEP_NODELIST=","), ("node list ','", "names no host")),
+    (task(SLURM_STEP_RESV_PORTS="99999-100000"), ("SLURM_STEP_RESV_PORTS='99999-100000'", "1-65535")),
 ], ids=["batch-not-srun", "old-batch-step-id", "unbalanced-brackets", "reversed-range", "bad-tasks-per-node",
         "rank-out-of-range", "torchrun-rank-out-of-range", "non-integer-rank", "privileged-port",
-        "non-integer-port", "torchrun-port-out-of-range"])
+        "non-integer-port", "torchrun-port-out-of-range",
+        "tasks-per-node-repeat-0", "job-tasks-per-node-repeat-0", "tasks-per-node-count-0",
+        "tasks-per-node-huge-repeat", "tasks-per-node-fullwidth-digit", "negative-nodeid", "non-numeric-procid",
+        "underscore-procid", "arabic-indic-procid", "5000-digit-procid", "negative-localid",
+        "negative-restart-count", "non-numeric-ntasks", "batch-non-numeric-ntasks", "negative-group-rank",
+        "non-numeric-torchelastic-restart-count", "node-list-of-no-host", "reserved-port-out-of-range"])
 def test_derive_errors_teach(env, needle):
     with pytest.raises(UsageError, match="environment") as e:
         derive(env)
-    assert needle in str(e.value)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 300, msg
+    for n in (needle,) if isinstance(needle, str) else needle:
+        assert n in msg, msg
+
+
+@pytest.mark.parametrize("job", ["²", "9" * 5000, "12a"], ids=["superscript-digit", "5000-digits", "alnum"])
+def test_odd_job_ids_still_get_a_port(job):
+    """'²'.isdigit() is true but int() refuses it; 5000 digits exceed int()'s limit. Both raised
+    ValueError; any job id now gets a port in range."""
+    port = derive(task(SLURM_JOB_ID=job, SLURM_JOBID=job)).master_port
+    assert PORT_BASE <= port < PORT_BASE + PORT_SPAN
 
 
 # -- errors through the command ---------------------------------------------------------------------
@@ -232,7 +277,13 @@ def test_derive_errors_teach(env, needle):
     ({"SLURM_JOB_ID": "12", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
       "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_TASKS_PER_NODE": "3,1"}, ("srun", "4 tasks", "job 12")),
     (srun_task("node[1-", 2, "1(x2)", rank=0, local=0, node=0), ("node[1-", "node list")),
-], ids=["inside-allocation-without-srun", "malformed-node-list"])
+    (task(SLURM_STEP_TASKS_PER_NODE="2(x0)", SLURM_TASKS_PER_NODE="2(x0)"),
+     ("SLURM_STEP_TASKS_PER_NODE='2(x0)'", "K >= 1")),
+    (task(SLURM_NODEID="-1"), ("SLURM_NODEID='-1'", "from 0 to")),
+    (task(SLURM_PROCID="zero"), ("SLURM_PROCID='zero'", "integer from 0 to")),
+    (task(SLURM_STEP_NODELIST=","), ("node list ','",)),
+], ids=["inside-allocation-without-srun", "malformed-node-list", "tasks-per-node-repeat-0", "negative-nodeid",
+        "non-numeric-procid", "node-list-of-no-host"])
 def test_env_command_errors(run_cli, clean_env, env, needles):
     r = run_cli("env", "--json", env=clean_env(**env))
     assert r.returncode == 2
