@@ -130,6 +130,8 @@ def _load(args: argparse.Namespace):
     if args.config is None and not (script or fn):
         raise UsageError(f"{args.command}: give a job config (e.g. jobs/digits.yaml), --script PATH or --fn PKG.MOD:FN")
     if script:
+        from hpc_train.rundir import check_path
+        check_path(Path(script).absolute(), "--script")
         path = Path(script)
         if not path.exists():
             raise UsageError(f"--script {script}: no such file")
@@ -193,7 +195,7 @@ def check_backend(cfg) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from hpc_train import config as config_mod
-    from hpc_train import launch
+    from hpc_train import launch, rundir
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     cfg = _load(args)
@@ -202,17 +204,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     port = launch.rendezvous_port()   # a bad MASTER_PORT fails here, before anything is written
     run_dir = cfg.resolved_run_dir().absolute()
     cfg.run_dir = str(run_dir)
-    from hpc_train import resume
-    # Refuses bad resumes before anything is written; names any checkpoint it skips.
-    plan = resume.plan(run_dir, args.resume, cfg, warn=lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr))
-    if plan.finished:
-        print(f"hpc_train: {run_dir} holds a finished run ({run_dir / 'result.json'}); nothing to do. "
-              f"Use another --run-dir to train again.", file=sys.stderr)
-        return 0
-    path = config_mod.write(cfg, run_dir)
-    print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
-          f"{plan.describe()}", file=sys.stderr)
-    return launch.launch(args.nproc, path, run_dir, resume=plan.env_value(), port=port)
+    rundir.check_path(run_dir, "the run directory")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--run-dir {run_dir} is a file, not a directory")
+    # One run per directory, before anything in it is touched (a second run would resume from
+    # this one's checkpoints and move its newer saves aside).
+    lock = rundir.RunDirLock(run_dir, f"`python -m hpc_train run` ({args.nproc} processes)").acquire()
+    try:
+        from hpc_train import resume
+        # Refuses bad resumes before anything is written; names any checkpoint it skips.
+        plan = resume.plan(run_dir, args.resume, cfg,
+                           warn=lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr))
+        if plan.finished:
+            print(f"hpc_train: {run_dir} holds a finished run ({run_dir / 'result.json'}); nothing to do. "
+                  f"Use another --run-dir to train again.", file=sys.stderr)
+            return 0
+        path = config_mod.write(cfg, run_dir)
+        print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
+              f"{plan.describe()}", file=sys.stderr)
+        return launch.launch(args.nproc, path, run_dir, resume=plan.env_value(), port=port,
+                             hang_s=cfg.dist.timeout_s)
+    finally:
+        lock.release()
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

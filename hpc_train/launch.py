@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 GRACE_S = 30.0   # after a failure, how long the surviving ranks get to exit before SIGKILL
+HUNG_GRACE_S = 5.0   # after a rank stopped responding: the others wait on it in a collective, and cannot save
 
 
 def free_port() -> int:
@@ -89,12 +90,31 @@ def _culprit(run_dir: Path, ranks: list[int]) -> int:
     return ranks[0]
 
 
-def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest", port: int | None = None) -> int:
-    """Start, supervise and reap the workers. Returns the exit code for the CLI."""
+def _name_frozen(run_dir: Path, procs: list[subprocess.Popen], rank: int, age: float) -> None:
+    """Say which rank froze, and have every rank write its stack (the frozen one once continued)."""
+    from hpc_train import watchdog
+    msg = watchdog.describe(run_dir, rank, age)
+    print(f"hpc_train: {msg}; ending the run", file=sys.stderr, flush=True)
+    (run_dir / "logs" / f"rank-{rank}.error").write_text(f"WatchdogError: {msg}\n")
+    _signal_all(procs, watchdog.DUMP_SIGNAL)
+    _signal_all(procs, signal.SIGCONT)
+    time.sleep(1.0)
+
+
+def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest", port: int | None = None,
+           hang_s: float = 600.0) -> int:
+    """Start, supervise and reap the workers. Returns the exit code for the CLI.
+
+    ``hang_s`` (``dist.timeout_s``): a rank whose heartbeat is older than this has stopped
+    responding (see :mod:`hpc_train.watchdog`); it is named, every rank writes its stack, and
+    the run ends."""
+    from hpc_train import watchdog
     for stale in (run_dir / "logs").glob("rank-*.error"):
         stale.unlink()
+    started = time.time()
     procs = _spawn(nproc, config_path, run_dir, resume, rendezvous_port() if port is None else port)
     interrupts = {"n": 0, "sig": 0}
+    next_check = time.monotonic() + 1.0
 
     def on_signal(signum: int, frame: object) -> None:
         interrupts["n"] += 1
@@ -106,7 +126,9 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         else:
             _signal_all(procs, signal.SIGKILL)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP: the terminal closed. Workers live in their own sessions, so without this they would
+    # train on as orphans; it stops them like the first Ctrl-C.
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         failed: tuple[int, int] | None = None
         deadline = None
@@ -116,10 +138,24 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
             if failed is None:
                 dead = [rank for rank, p in enumerate(procs) if p.returncode not in (None, 0)]
                 if dead:
-                    rank = _culprit(run_dir, dead)
-                    failed = (rank, procs[rank].returncode)
+                    # A peer that froze makes the others fail in their collectives: name it, not them.
+                    alive = [r for r, p in enumerate(procs) if p.poll() is None]
+                    frozen = watchdog.stale(run_dir, alive, 3 * watchdog.BEAT_S, started)
+                    rank = _culprit(run_dir, dead) if frozen is None else frozen[0]
+                    failed = (rank, procs[rank].returncode if frozen is None else None)
+                    if frozen is not None:
+                        _name_frozen(run_dir, procs, *frozen)
                     _signal_all(procs, signal.SIGTERM)
                     deadline = time.monotonic() + GRACE_S
+            if failed is None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 1.0
+                alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
+                hung = watchdog.stale(run_dir, alive, watchdog.limit_for(hang_s), started)
+                if hung is not None:
+                    _name_frozen(run_dir, procs, *hung)
+                    failed = (hung[0], None)
+                    _signal_all(procs, signal.SIGTERM)
+                    deadline = time.monotonic() + HUNG_GRACE_S
             if deadline is not None and time.monotonic() > deadline:
                 _signal_all(procs, signal.SIGKILL)
             time.sleep(0.05)
@@ -136,13 +172,18 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         return 130
     if failed is not None and not interrupts["n"]:
         rank, code = failed
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        how = "stopped responding" if code is None else \
+            f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         print(f"hpc_train: worker rank {rank} failed ({how}): {_first_error(run_dir, rank)}\n"
               f"hpc_train: full log: {run_dir / 'logs' / f'rank-{rank}.log'}", file=sys.stderr)
         return 1
-    if interrupts["n"]:
-        stopped = run_dir / "stopped.json"
-        if failed is None and stopped.exists():
+    stopped = run_dir / "stopped.json"
+    ended_by_stop = failed is None and stopped.exists() and stopped.stat().st_mtime >= started and \
+        not (run_dir / "result.json").exists()
+    if interrupts["n"] or ended_by_stop:
+        # A stop that did not come through this launcher (a SIGTERM sent to one worker, a
+        # request_stop() in the code) ends the run unfinished too: say so, and exit non-zero.
+        if ended_by_stop:
             import json
             rec = json.loads(stopped.read_text())
             if rec.get("checkpoint"):
@@ -152,7 +193,8 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
                 print(f"hpc_train: stopped at step {rec['steps']} with checkpoints disabled; nothing was saved",
                       file=sys.stderr)
             else:
-                print("hpc_train: stopped; hpc_train saved nothing for this code (it never called run.step_end); "
-                      "run the same command to resume from whatever it saved itself", file=sys.stderr)
-        return 128 + interrupts["sig"]
+                print("hpc_train: stopped before the code reached a step boundary (run.step_end), so hpc_train saved "
+                      "nothing this time; run the same command to resume (from the last checkpoint, or from "
+                      "whatever the code saved itself)", file=sys.stderr)
+        return 128 + (interrupts["sig"] or signal.SIGTERM)
     return 0

@@ -1,10 +1,13 @@
 """Stop requests: signal handlers that only record, and an agreement at each step boundary.
 
-The handler never saves, logs through locks, or raises (Lightning wrote its checkpoint inside
-the handler and sometimes never finished; its exception reached only some DDP ranks and the
-job deadlocked). It sets a flag. At each step boundary the trainer folds the flag into one
-small all-reduce it already makes for its metrics, so every rank learns that *some* rank was
-asked to stop, in the same step, and all of them save and exit together.
+The handler never saves or logs through locks (Lightning wrote its checkpoint inside the handler
+and sometimes never finished; its exception reached only some DDP ranks and the job
+deadlocked). It sets a flag. At each step boundary ``run.step_end`` folds the flag into the one
+small all-reduce it makes anyway (under DDP: riding on the gradient all-reduce), so every rank
+learns that *some* rank was asked to stop, in the same step, and all of them save and exit
+together. Code that never calls ``step_end`` would never see the flag: it is ended instead
+(:class:`StopRun`, raised in the main thread :data:`ESCALATE_AFTER_S` seconds after the stop),
+so a stop is never swallowed.
 
 Signals: SIGTERM (what a preemption without a user signal and the time limit send, and what
 ``run`` forwards on Ctrl-C), SIGINT, and the job's ``--signal`` (default USR2: NCCL may catch
@@ -21,6 +24,7 @@ import time
 from collections.abc import Callable
 
 log = logging.getLogger("hpc_train")
+ESCALATE_AFTER_S = 10.0   # how long code gets to reach run.step_end after a stop before it is ended
 
 
 class StopRequest:
@@ -36,6 +40,8 @@ class StopRequest:
         # the flag) a stop raises StopRun, so it is never swallowed.
         self.listening = False
         self.escalate = False
+        self._raise_now = False
+        self._timer: threading.Timer | None = None
 
     @property
     def requested(self) -> bool:
@@ -50,9 +56,22 @@ class StopRequest:
         self.count += 1
         if self.signum is None:
             self.signum, self.received_at = signum, time.time()
-        if self.escalate and not self.listening:
-            self.escalate = False       # once: the unwinding code may itself be signalled again
+        if self._raise_now:
+            self._raise_now = False     # once: the unwinding code may itself be signalled again
             raise StopRun(signal.Signals(signum).name)
+        if self.escalate and not self.listening and self._timer is None:
+            # Give the loop a moment to reach its next run.step_end (a stop during start-up, or
+            # one that reached a single rank, is then still agreed and saved); code that never
+            # calls it is ended after that, from the main thread, as a plain script would be.
+            self._timer = threading.Timer(ESCALATE_AFTER_S, self._escalate)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _escalate(self) -> None:
+        if not self.listening and self.signum is not None:
+            import _thread
+            self._raise_now = True
+            _thread.interrupt_main(self.signum)   # runs _handler in the main thread, which raises
 
     def install(self, signals: list[str], escalate: bool = False) -> None:
         self.escalate = escalate

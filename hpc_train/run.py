@@ -27,6 +27,7 @@ Code that never calls ``step_end`` is ended by the stop instead (see
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -46,6 +47,11 @@ from hpc_train.preemption import Agreement, StopRequest, stop_signals
 
 log = logging.getLogger("hpc_train")
 _current: Run | None = None
+
+
+class NonFiniteError(RuntimeError):
+    """Training diverged: a value summed with the step, or a weight about to be saved, is NaN or
+    infinite. Nothing is saved for that step; the last checkpoint stays the newest."""
 
 
 class Run:
@@ -138,6 +144,7 @@ class Run:
         replaced in the dict); returns the restored step, 0 on a fresh run."""
         from hpc_train import checkpoint, resume
         kinds = self._kinds(state)
+        self.stop.listening = True   # code that restores will call step_end: a stop waits for it
         spec = os.environ.get("HPC_TRAIN_RESUME", "latest")
         plan = resume.plan(self.run_dir, "latest" if spec == "none" else spec, None, warn=log.warning)
         step = plan.source.step if plan.source else -1
@@ -201,16 +208,40 @@ class Run:
         self.step_sums = sums[2:].tolist()
         self._last_state = state
         step = state["step"]
+        if not all(math.isfinite(v) for v in self.step_sums):
+            # Every rank sees the same sums, so every rank raises here, before any save.
+            self._diverged(step, f"the values summed with the step are {self.step_sums} (the loss first)")
         ckpt = self._checkpointer()
         if ckpt is not None:
             if self.is_main:
                 ckpt.poll()
             if ckpt.due(step, force=stop, timed=timed):
                 self._sync_buffers()
+                self._check_weights(state, kinds, step)
                 ckpt.save(state, step, blocking=stop, kinds=kinds)
         if stop:
             self._on_stop(step)
         return stop
+
+    def _diverged(self, step: int, what: str) -> None:
+        last = self._ckpt.last_step if self._ckpt is not None and self._ckpt.last_step >= 0 else None
+        raise NonFiniteError(
+            f"training diverged at step {step}: {what}, not finite on some rank; nothing was saved for this step"
+            + (f" (the newest checkpoint is step {last})" if last is not None else "")
+            + f". Lower optim.lr (now {self.config.optim.lr:g}), set optim.grad_clip, or check the data")
+
+    @torch.no_grad()
+    def _check_weights(self, state: Mapping[str, Any], kinds: dict[str, str], step: int) -> None:
+        """Before a save: no NaN/inf weight is ever committed. One host sync per save (saves are
+        rare), agreed over ranks so that sharded models decide together."""
+        params = [p for k, kind in kinds.items() if kind == "module" for p in state[k].parameters()]
+        if not params:
+            return
+        bad = torch.stack([p.detach().isfinite().all() for p in params]).all().logical_not().float().reshape(1)
+        if self._multi:
+            dist.all_reduce(bad)
+        if bad.item() > 0:
+            self._diverged(step, "a weight about to be saved is NaN or infinite")
 
     def _on_stop(self, step: int) -> None:
         self.stopped, self.stop_step = True, step

@@ -33,3 +33,71 @@ def rank_log(run_dir: Path, rank: int) -> Path:
 
 def rank_error(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / LOGS / f"rank-{rank}.error"
+
+
+LOCK = ".lock"
+HEARTBEAT_DIR = ".heartbeat"
+
+
+class RunDirLock:
+    """One run directory, one run: an exclusive ``flock`` on ``RUN_DIR/.lock``, held for the run.
+
+    Held by the ``run`` launcher, and by rank 0 of a Slurm job. The kernel drops the lock when
+    its holder dies, so a stale lock from a dead process never blocks; the file's content (host,
+    pid, what) is only there to name a live holder. Two runs in one directory would resume from
+    each other's checkpoints and move each other's saves aside.
+    """
+
+    def __init__(self, run_dir: Path, what: str) -> None:
+        self.path = Path(run_dir) / LOCK
+        self.what = what
+        self.fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        import fcntl
+        import os
+        import socket
+        import time
+
+        from hpc_train.errors import UsageError
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)   # not inherited by child processes
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = self.holder()
+            os.close(fd)
+            raise UsageError(f"{self.path.parent} is in use by {holder}; wait for it to end, stop it, or use "
+                             f"another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "what": self.what,
+                                 "since": time.time()}).encode())
+        self.fd = fd
+        return self
+
+    def holder(self) -> str:
+        try:
+            h = json.loads(self.path.read_text())
+            return f"{h.get('what', 'a run')} (pid {h['pid']} on host {h['host']})"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "another process"
+
+    def release(self) -> None:
+        import os
+        if self.fd is not None:
+            os.close(self.fd)       # closing drops the flock
+            self.fd = None
+
+
+def heartbeat_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / LOGS / HEARTBEAT_DIR / f"rank-{rank}"
+
+
+def check_path(path: Path | str, what: str) -> None:
+    """Refuse a path that no quoting can carry into a batch script: ``#SBATCH`` lines end at a
+    newline, so a newline or other control character in a path cannot be rendered safely."""
+    from hpc_train.errors import UsageError
+    bad = sorted({repr(c) for c in str(path) if ord(c) < 32 or ord(c) == 127})
+    if bad:
+        raise UsageError(f"{what} {str(path)!r} contains control characters ({', '.join(bad)}), which cannot go "
+                         f"into a batch script; choose a path without them")

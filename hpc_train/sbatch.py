@@ -79,6 +79,8 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     cfg = _load(args)
     scheduler.time_minutes(cfg.job.time)
     run_dir = cfg.resolved_run_dir().absolute()
+    from hpc_train.rundir import check_path
+    check_path(run_dir, "the run directory")
     cfg.run_dir = str(run_dir)
     command = "python -m hpc_train sbatch " + " ".join(q(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["sbatch"] \
         else "python -m hpc_train sbatch"

@@ -129,6 +129,13 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
     else:
         cfg = load(target, list(overrides), extra)
     rd = Path(run_dir or cfg.resolved_run_dir()).absolute()
+    from hpc_train import rundir
+    rundir.check_path(rd, "the run directory")
+    if rd.exists() and not rd.is_dir():
+        raise UsageError(f"the run directory {rd} is a file, not a directory")
+    if rd.is_dir():   # busy with a local run or a running job's rank 0: refused, nothing submitted
+        rundir.RunDirLock(rd, "a submission").acquire().release()
+        _refuse_active_job(rd)
     cfg.run_dir = str(rd)
     scheduler.check_resources(cfg.job)
     from hpc_train import resume as resume_mod
@@ -143,6 +150,18 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
     job_obj = ex.submit(entry)
     scheduler.record_job(rd, str(job_obj.job_id), "submitit", folder=str(rd / "submitit"))
     return job_obj
+
+
+def _refuse_active_job(rd: Path) -> None:
+    """A run directory whose last job is still queued or running takes no second job."""
+    ids = scheduler.job_ids(rd)
+    if not ids:
+        return
+    states = scheduler.query(ids[-1:])
+    st = states.get(ids[-1])
+    if st is not None and not st.final:
+        raise UsageError(f"{rd} belongs to job {ids[-1]}, which is {st.state}; wait for it, cancel it "
+                         f"(python -m hpc_train cancel {rd}), or use another --run-dir")
 
 
 def expand_sweep(items: list[str]) -> list[list[str]]:
@@ -203,6 +222,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.sweep and not args.dry_run:
         return submit_sweep(args, cfg, rd)
     if args.dry_run:
+        from hpc_train.rundir import check_path
+        check_path(rd, "the run directory")
         scheduler.time_minutes(cfg.job.time)
         print(dry_run_text(make_executor(cfg, rd, dry_run=True)), end="")
         return 0

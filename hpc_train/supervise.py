@@ -34,7 +34,7 @@ from typing import IO, Any
 from hpc_train import rundir
 from hpc_train.config import Config
 from hpc_train.environment import NodeEnv
-from hpc_train.preemption import StopRequest, stop_signals
+from hpc_train.preemption import StopRequest
 
 log = logging.getLogger("hpc_train")
 TAIL_LINES = 15
@@ -54,14 +54,12 @@ def _tee(src: IO[bytes], console: IO[bytes], logfile: IO[bytes], tail: collectio
     src.close()
 
 
-def supervise(cfg: Config, env: NodeEnv, rd: Path) -> dict[str, Any]:
+def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[str, Any]:
     from hpc_train.worker import log_placement, stopped_without_checkpoint
     script = Path(cfg.train.script)
     if (rd / rundir.RESULT).exists():
         log.info("%s holds a finished run (result.json); not running %s again", rd, script)
         return json.loads((rd / rundir.RESULT).read_text())
-    stop = StopRequest()
-    stop.install(stop_signals(cfg.job.signal))
     log_placement(env)
     started = time.time()
     cmd = [sys.executable, "-u", str(script), *cfg.train.args]

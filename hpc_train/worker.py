@@ -37,17 +37,31 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     if isinstance(cfg, dict):
         cfg = config_mod.from_dict(cfg)
     rd = Path(run_dir) if run_dir else cfg.resolved_run_dir()
+    from hpc_train.preemption import StopRequest, stop_signals
+    # Stop signals first: one that arrives during start-up is then recorded, not fatal.
+    stop = StopRequest()
+    stop.install(stop_signals(cfg.job.signal), escalate=not (cfg.train.script and target is None))
     env = environment.current()
     setup_logging(env.rank, rd, cfg.log.level)
     # torchrun's variables on every launch path (a torchrun-style script or fn reads them).
     os.environ.update(environment.torchrun_vars(env))
     os.environ[rundir.RUN_DIR_ENV] = str(rd.absolute())
     os.environ[rundir.CONFIG_ENV] = str((rd / rundir.CONFIG).absolute())
+    from hpc_train import watchdog
+    watchdog.enable_stack_dumps(rundir.rank_log(rd, env.rank))
+    heartbeat = watchdog.Heartbeat(rd, env.rank).start()
+    lock = None
     try:
+        if env.rank == 0 and os.environ.get("HPC_TRAIN_LAUNCHER") != "local":
+            # The local launcher holds the run directory's lock itself; a job's rank 0 holds it here.
+            lock = rundir.RunDirLock(rd, f"Slurm job {env.job_id}" if env.job_id else "a training run").acquire()
+            step = os.environ.get("SLURM_STEP_ID")
+            if env.job_id and step is not None and env.world_size > 1:
+                watchdog.watch_slurm_job(rd, env.world_size, cfg.dist.timeout_s, f"{env.job_id}.{step}")
         if cfg.train.script and target is None:
             from hpc_train.supervise import supervise
-            return supervise(cfg, env, rd)
-        return _run(cfg, env, rd, target, args, kwargs or {})
+            return supervise(cfg, env, rd, stop)
+        return _run(cfg, env, rd, stop, target, args, kwargs or {})
     except BaseException as e:
         if type(e).__name__ == "ScriptFailed":    # its error file is written, naming rank and host
             raise
@@ -55,9 +69,21 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
         (rd / "logs").mkdir(parents=True, exist_ok=True)
         rundir.rank_error(rd, env.rank).write_text(
             f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
-        if not isinstance(e, (KeyboardInterrupt, UsageError)):
+        if type(e).__name__ in _EXPECTED:
+            # A failure with a message that says it all: one line on the console and in the log
+            # (the traceback stays in the error file, for a bug report).
+            log.error("rank %d: %s: %s", env.rank, type(e).__name__, e)
+        elif not isinstance(e, (KeyboardInterrupt, UsageError)):
             log.error("rank %d failed:\n%s", env.rank, traceback.format_exc())
         raise
+    finally:
+        heartbeat.stop()
+        if lock is not None:
+            lock.release()
+
+
+# Errors whose message names the cause and the fix; anything else is logged with its traceback.
+_EXPECTED = {"NonFiniteError", "CheckpointError", "RendezvousError", "WatchdogError"}
 
 
 def _address() -> str:
@@ -88,18 +114,16 @@ def _call_fn(fn: Callable[..., Any], cfg: Config, env: environment.NodeEnv, devi
     return fn() if not required else fn(cfg, env, device)
 
 
-def _run(cfg: Config, env: environment.NodeEnv, rd: Path, target, args: tuple, kwargs: dict) -> Any:
+def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, args: tuple, kwargs: dict) -> Any:
     from hpc_train import distributed   # imports torch: only on the training path
     from hpc_train import resume as resume_mod
     from hpc_train import run as run_mod
-    from hpc_train.preemption import StopRequest, StopRun, stop_signals
+    from hpc_train.preemption import StopRun
 
     if resume_mod.is_finished(rd):
         # A finished run never trains again, whether requeued or resubmitted.
         log.info("%s holds a finished run (result.json); not training again", rd)
         return json.loads((rd / rundir.RESULT).read_text())
-    stop = StopRequest()
-    stop.install(stop_signals(cfg.job.signal), escalate=True)
     log_placement(env)
     device = distributed.init(env, cfg.dist)
     run = run_mod.start(cfg, env, rd, stop, device)
@@ -115,6 +139,7 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, target, args: tuple, k
                 out = _call_fn(resolve(cfg.train.fn, "train.fn"), cfg, env, device)
             else:
                 from hpc_train.trainer import Trainer
+                stop.listening = True   # the built-in loop acts on stops at its next step_end
                 trainer = Trainer(cfg, run)
                 out = trainer.fit()
         except StopRun:

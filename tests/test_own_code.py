@@ -94,7 +94,7 @@ def test_unaware_script_is_stopped_and_resumes_from_its_own_snapshot(tmp_path):
            "--snapshot", snap)
     p = _stop_when(_start(*cmd), snap)
     assert p.returncode == 128 + signal.SIGTERM, show(p)
-    assert "run the same command to resume from whatever it saved itself" in p.stderr, show(p)
+    assert "saved nothing this time; run the same command to resume" in p.stderr, show(p)
     rec = json.loads((rd / "stopped.json").read_text())
     assert rec["checkpoint"] is False and rec["stop_signal"] == "SIGTERM"
     assert not (rd / "result.json").exists()       # a stopped script is not finished

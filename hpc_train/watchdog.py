@@ -1,0 +1,129 @@
+"""Heartbeats, and the watchdog that names a rank that stopped responding. No torch here.
+
+A collective timeout says only that *some* peer is missing, and every survivor reports it, so the
+culprit goes unnamed (NCCL's maintainers: there is no such feature; pytorch #118369). Here every
+task runs a daemon thread that touches ``logs/.heartbeat/rank-R`` every :data:`BEAT_S` seconds.
+The thread beats while the main thread computes, reads a checkpoint or waits in a collective
+(those release the GIL), so a slow rank is never blamed; a rank that is stopped (SIGSTOP), frozen
+in the kernel, or stuck holding the GIL stops beating. The watcher, the local ``run`` launcher or
+rank 0 of a Slurm job, names the first rank whose heartbeat is older than ``dist.timeout_s``,
+(half of ``dist.timeout_s``: before the peers' collectives time out) has every task write its Python stacks to its rank log (faulthandler on :data:`DUMP_SIGNAL`),
+and ends the run; on Slurm that is a ``failure``, requeued within its budget.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+from hpc_train import rundir
+
+log = logging.getLogger("hpc_train")
+BEAT_S = 2.0
+# A real-time signal nobody else uses: SIGUSR1/2 may be the job's stop signal (and NCCL's).
+DUMP_SIGNAL = signal.SIGRTMIN + 7
+_dump_file = None      # kept open: faulthandler writes to its file descriptor from a signal handler
+
+
+class Heartbeat:
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = rundir.heartbeat_path(run_dir, rank)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="hpc_train-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:      # a full or vanished disk must not kill the task from here
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def enable_stack_dumps(log_path: Path) -> None:
+    """On :data:`DUMP_SIGNAL`, write every thread's Python stack to ``log_path``."""
+    global _dump_file
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    _dump_file = open(log_path, "a")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True, chain=False)
+
+
+def limit_for(timeout_s: float) -> float:
+    """How old a heartbeat may get: half of ``dist.timeout_s``, so a frozen rank is named before
+    its peers' collectives time out (and blame nobody), but never under three beats."""
+    return max(3 * BEAT_S, timeout_s / 2)
+
+
+def holder(run_dir: Path, rank: int) -> tuple[str, int | None]:
+    try:
+        h = json.loads(rundir.heartbeat_path(run_dir, rank).read_text())
+        return str(h["host"]), int(h["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown host", None
+
+
+def stale(run_dir: Path, ranks: list[int], limit_s: float, since: float) -> tuple[int, float] | None:
+    """The rank whose heartbeat is oldest, if older than ``limit_s``; a rank that has not
+    written one yet counts from ``since`` (its start)."""
+    now = time.time()
+    worst: tuple[int, float] | None = None
+    for r in ranks:
+        try:
+            age = now - max(rundir.heartbeat_path(run_dir, r).stat().st_mtime, since)
+        except OSError:
+            age = now - since
+        if age > limit_s and (worst is None or age > worst[1]):
+            worst = (r, age)
+    return worst
+
+
+def describe(run_dir: Path, rank: int, age: float) -> str:
+    host, pid = holder(run_dir, rank)
+    return (f"rank {rank} (pid {pid} on {host}) stopped responding: no heartbeat for {age:.0f}s; "
+            f"its Python stack is in {rundir.rank_log(run_dir, rank)}")
+
+
+def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str) -> threading.Thread:
+    """Rank 0 of a Slurm job: a thread that ends the step when a peer stops beating.
+
+    The peers' processes are on other nodes: their stacks are asked for through Slurm (the dump
+    signal, then SIGCONT for a stopped process), then this process exits non-zero and
+    ``srun --kill-on-bad-exit`` ends the step; the batch shell's hook counts a failure.
+    """
+    since = time.time()
+    limit_s = limit_for(timeout_s)
+
+    def loop() -> None:
+        while True:
+            time.sleep(max(BEAT_S, limit_s / 10))
+            found = stale(run_dir, list(range(1, world)), limit_s, since)
+            if found is None:
+                continue
+            msg = describe(run_dir, *found)
+            log.error("%s; ending the job step", msg)
+            rundir.rank_error(run_dir, 0).write_text(f"WatchdogError: {msg}\n")
+            import subprocess
+            for sig in (str(int(DUMP_SIGNAL)), "CONT"):
+                subprocess.run(["scancel", f"--signal={sig}", job_step], capture_output=True, timeout=30)
+            time.sleep(3)
+            logging.shutdown()
+            os._exit(1)
+
+    t = threading.Thread(target=loop, name="hpc_train-watchdog", daemon=True)
+    t.start()
+    return t

@@ -1,0 +1,172 @@
+"""Issue 9 (launcher side): one run per directory, no hang past dist.timeout_s + 60 s with the
+culprit named, stops that do not come through the launcher, SIGHUP, divergence, unsafe paths.
+
+Real processes throughout: `python -m hpc_train run --nproc 2`, real signals (SIGSTOP freezes a
+rank for real: the fault the watchdog exists for), real files. Each hang case prints its measured
+time to the end of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import REPO, children, clean_env, hpc, load_full, show, write_config
+
+from hpc_train import resume
+
+
+def _start(*args, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hpc_train", *map(str, args)], cwd=REPO, env=env or clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _worker_pid(run_dir: Path, rank: int) -> int:
+    hb = run_dir / "logs" / ".heartbeat" / f"rank-{rank}"
+    _wait_for(hb.exists, 60, f"rank {rank}'s heartbeat")
+    return json.loads(hb.read_text())["pid"]
+
+
+def _one_line_exit2(p: subprocess.CompletedProcess, *needles: str) -> str:
+    assert p.returncode == 2, show(p)
+    assert "Traceback" not in p.stderr, show(p)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, show(p)
+    for n in needles:
+        assert n in lines[0], show(p)
+    return lines[0]
+
+
+BIG = {"model": {"name": "mlp", "hidden": 2048, "dropout": 0.1}, "train": {"max_steps": 100000, "log_every": 50},
+       "checkpoint": {"every_steps": 1, "keep": 2}, "dist": {"timeout_s": 15}}
+
+
+def test_busy_run_directory_is_refused_and_a_stale_lock_is_not(tmp_path):
+    cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 100000}})
+    rd = tmp_path / "run"
+    first = _start("run", cfg, "--nproc", "2", "--run-dir", rd)
+    try:
+        _wait_for(lambda: (rd / "checkpoints" / "step-5" / "commit.json").exists(), 120, "a first checkpoint")
+        for argv in (("run", cfg, "--nproc", "2", "--run-dir", rd), ("run", cfg, "--run-dir", rd, "--resume", "none")):
+            line = _one_line_exit2(hpc(*argv), f"{rd} is in use by", f"pid {first.pid} on host {os.uname().nodename}")
+            assert "python -m hpc_train run" in line
+        assert not list(rd.glob("checkpoints.old-*"))      # --resume none moved nothing aside
+        assert first.poll() is None                          # the holder trains on, undisturbed
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM and "checkpoint saved at step" in err, err
+    # The holder is gone: its lock went with it, though the file still names it.
+    assert json.loads((rd / ".lock").read_text())["pid"] == first.pid
+    p = hpc("run", cfg, "--nproc", "2", "--run-dir", rd, "--set", "train.max_steps=1")
+    assert p.returncode == 0 and "finished" not in p.stderr, show(p)
+
+
+def test_sighup_stops_the_workers_like_ctrl_c(tmp_path):
+    cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 100000}})
+    rd = tmp_path / "run"
+    p = _start("run", cfg, "--nproc", "2", "--run-dir", rd)
+    _wait_for(lambda: (rd / "checkpoints" / "step-5" / "commit.json").exists(), 120, "a first checkpoint")
+    workers = children(p.pid)
+    p.send_signal(signal.SIGHUP)                # the terminal closed
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGHUP, err
+    k = json.loads((rd / "stopped.json").read_text())["steps"]
+    assert f"checkpoint saved at step {k}; run the same command to resume" in err
+    time.sleep(0.5)
+    assert not [w for w in workers if Path(f"/proc/{w}").exists()], "workers left running as orphans"
+
+
+def test_sigterm_to_one_worker_ends_the_run_unfinished_and_says_so(tmp_path):
+    cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 100000}})
+    rd = tmp_path / "run"
+    p = _start("run", cfg, "--nproc", "2", "--run-dir", rd)
+    os.kill(_worker_pid(rd, 1), signal.SIGTERM)   # not through the launcher
+    out, err = p.communicate(timeout=120)
+    assert p.returncode != 0, err
+    k = json.loads((rd / "stopped.json").read_text())["steps"]
+    assert f"checkpoint saved at step {k}; run the same command to resume" in err or \
+        "saved nothing this time; run the same command to resume" in err, err
+    assert not (rd / "result.json").exists()
+
+
+@pytest.mark.parametrize("phase", ["step", "save", "load"])
+def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
+    """SIGSTOP one rank with dist.timeout_s=15: the run must end within 75 s, naming that rank, with
+    its Python stack in its log."""
+    cfg = write_config(tmp_path / "job.yaml", BIG if phase != "step" else {**BIG, "checkpoint": {"every_steps": 0}})
+    rd = tmp_path / "run"
+    if phase == "load":
+        first = hpc("run", cfg, "--nproc", "2", "--run-dir", rd, "--set", "train.max_steps=3")
+        assert first.returncode == 0, show(first)
+        (rd / "result.json").unlink()            # not finished: the next run resumes, loading step 3
+        for hb in (rd / "logs" / ".heartbeat").iterdir():   # the first run's: _worker_pid must see the new one
+            hb.unlink()
+    p = _start("run", cfg, "--nproc", "2", "--run-dir", rd)
+    pid = _worker_pid(rd, 1)
+    if phase == "step":
+        _wait_for(lambda: "step 50/" in (rd / "logs" / "rank-0.log").read_text(), 120, "training")
+    elif phase == "save":
+        _wait_for(lambda: (rd / "checkpoints" / "step-3").exists(), 120, "saves under way")
+    # load: the heartbeat appears at start-up, before the checkpoint is read: stop it now
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        out, err = p.communicate(timeout=90)
+    finally:
+        os.kill(pid, signal.SIGCONT) if Path(f"/proc/{pid}").exists() else None
+    took = time.monotonic() - t0
+    print(f"SIGSTOP during {phase}: the run ended {took:.1f} s later")
+    assert took <= 75, err
+    assert p.returncode == 1, err
+    assert f"worker rank 1 failed (stopped responding): WatchdogError: rank 1 (pid {pid} on " in err, err
+    log1 = (rd / "logs" / "rank-1.log").read_text()
+    assert "most recent call first" in log1 and "hpc_train/watchdog.py" in log1   # faulthandler's stack dump
+    assert "Traceback" not in err
+    for info in resume.scan(rd):                  # nothing half-written counts as complete
+        if info.complete:
+            load_full(info.path)
+
+
+def test_divergence_stops_the_run_and_saves_nothing_non_finite(tmp_path):
+    cfg = write_config(tmp_path / "job.yaml", {"optim": {"lr": 1e30, "warmup_steps": 0}, "train": {"max_steps": 30},
+                                               "checkpoint": {"every_steps": 1}})
+    rd = tmp_path / "run"
+    p = hpc("run", cfg, "--nproc", "2", "--run-dir", rd)
+    assert p.returncode == 1, show(p)
+    line = next(x for x in p.stderr.splitlines() if x.startswith("hpc_train: worker rank"))
+    assert "NonFiniteError: training diverged at step" in line and "Lower optim.lr (now 1e+30)" in line
+    assert "Traceback" not in p.stderr
+    assert not (rd / "result.json").exists()
+    import torch
+    for info in resume.scan(rd):
+        state = load_full(info.path)
+        assert all(torch.isfinite(v).all() for v in state.values() if torch.is_tensor(v) and v.is_floating_point())
+
+
+@pytest.mark.parametrize("cmd", ["run", "sbatch", "submit --dry-run"])
+def test_a_run_directory_with_a_newline_is_refused(tmp_path, cmd):
+    rd = tmp_path / "a\nb"
+    line = _one_line_exit2(hpc(*cmd.split(), str(REPO / "jobs" / "digits.yaml"), "--run-dir", rd), "a\\nb")
+    assert "single line" in line or "control characters" in line
+    assert not rd.exists()
+
+
+def test_a_run_directory_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    _one_line_exit2(hpc("run", str(REPO / "jobs" / "digits.yaml"), "--run-dir", f), "is a file")
+    assert f.read_text() == "x"
