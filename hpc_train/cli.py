@@ -212,9 +212,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     lock = rundir.RunDirLock(run_dir, f"`python -m hpc_train run` ({args.nproc} processes)").acquire()
     try:
         from hpc_train import resume
+
+        def warn(m: str) -> None:
+            print(f"hpc_train: warning: {m}", file=sys.stderr)
+        if args.resume != "none":
+            config_mod.check_resume_changes(run_dir, cfg, warn)
         # Refuses bad resumes before anything is written; names any checkpoint it skips.
-        plan = resume.plan(run_dir, args.resume, cfg,
-                           warn=lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr))
+        plan = resume.plan(run_dir, args.resume, cfg, warn=warn)
         if plan.finished:
             print(f"hpc_train: {run_dir} holds a finished run ({run_dir / 'result.json'}); nothing to do. "
                   f"Use another --run-dir to train again.", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -58,15 +59,24 @@ def bind_device(env: NodeEnv, backend: str, threads_per_rank: int) -> torch.devi
 def _store(env: NodeEnv, timeout: timedelta) -> dist.Store:
     if env.world_size == 1:
         return dist.HashStore()   # nothing to meet; no port to collide on
-    hint = (f"rank {env.rank} could not reach the rendezvous at {env.master_addr}:{env.master_port} "
-            f"within {timeout.total_seconds():.0f}s. Check that rank 0 started (its log), that "
-            f"'{env.master_addr}' resolves and is reachable from this node (set MASTER_ADDR to a routable "
-            f"name or address), and that port {env.master_port} is free and not firewalled (set MASTER_PORT)")
+    t0 = time.monotonic()
     try:
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0 and not env.agent_store,
-                             timeout=timeout, wait_for_workers=False, use_libuv=True)
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                             is_master=env.rank == 0 and not env.agent_store, timeout=timeout, wait_for_workers=False,
+                             use_libuv=True)
     except (RuntimeError, OSError, socket.gaierror) as e:
-        raise RendezvousError(f"{hint}. Underlying error: {str(e).splitlines()[0]}") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        waited = time.monotonic() - t0
+        if env.rank == 0 and "address already in use" in str(e).lower():
+            raise RendezvousError(f"rank 0 cannot listen on port {env.master_port} on {socket.gethostname()}: it is "
+                                  f"already in use (another job or a leftover process); set MASTER_PORT to a free "
+                                  f"port") from None
+        raise RendezvousError(
+            f"rank {env.rank} could not reach the rendezvous at {env.master_addr}:{env.master_port} (gave up after "
+            f"{waited:.0f}s of dist.init_timeout_s={timeout.total_seconds():.0f}s). Check that rank 0 started (its "
+            f"log), that '{env.master_addr}' resolves and is reachable from this node (set MASTER_ADDR to a routable "
+            f"name or address), and that port {env.master_port} is free and not firewalled (set MASTER_PORT). "
+            f"Underlying error: {why}") from None
 
 
 def init(env: NodeEnv, cfg: DistSection) -> torch.device:

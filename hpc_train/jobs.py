@@ -22,9 +22,10 @@ from hpc_train.monitor import read_metrics
 def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
     """(run_dir, job ids) pairs for a run dir, a job id, or every run under runs/."""
     if target is None:
-        runs = sorted(p.parent for p in Path("runs").glob("*/job.json"))
+        # Every run under runs/: submitted ones (job.json) and local ones (config.yaml only).
+        runs = sorted({p.parent for pattern in ("*/job.json", "*/config.yaml") for p in Path("runs").glob(pattern)})
         if not runs:
-            raise UsageError("status: no submitted runs under runs/; give a RUN_DIR or a JOB_ID")
+            raise UsageError("status: no runs under runs/; give a RUN_DIR or a JOB_ID")
         return [(r, scheduler.job_ids(r)) for r in runs]
     p = Path(target)
     if p.is_dir():
@@ -61,10 +62,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                       f"restarts {st.restarts}{extra}")
         if run_dir is None:
             continue
+        if not ids:
+            print(f"  local run: {_local_state(run_dir)}")
         steps = [m for m in read_metrics(run_dir) if "loss" in m]
         if steps:
             last = steps[-1]
-            print(f"  last step {last['step']}, epoch {last['epoch']}, loss {last['loss']:.4f}")
+            epoch = f", epoch {last['epoch']}" if "epoch" in last else ""
+            print(f"  last step {last['step']}{epoch}, loss {last['loss']:.4f}")
         evals = [m for m in read_metrics(run_dir) if "eval_acc" in m]
         if evals:
             print(f"  last eval: accuracy {evals[-1]['eval_acc']:.4f} at step {evals[-1]['step']}")
@@ -74,6 +78,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         if budget:
             print(f"  {budget}")
     return 0
+
+
+def _local_state(run_dir: Path) -> str:
+    """A run without a Slurm job: running (its lock is held), finished, stopped, or ended."""
+    from hpc_train import rundir
+    holder = rundir.busy(run_dir)
+    if holder:
+        return f"running: {holder}"
+    if (run_dir / rundir.RESULT).exists():
+        return "finished"
+    stopped = run_dir / rundir.STOPPED
+    if stopped.exists():
+        try:
+            rec = json.loads(stopped.read_text())
+        except ValueError:
+            rec = {}
+        at = f" at step {rec['steps']}" if rec.get("steps") is not None else ""
+        return f"stopped{at} by {rec.get('stop_signal', 'a signal')}; the same command resumes it"
+    return "not running (ended without a result: see logs/rank-*.error)"
 
 
 def _log_path(run_dir: Path, rank: int) -> Path:
@@ -103,6 +126,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
                     sys.stdout.write(chunk)
                     sys.stdout.flush()
                     delay = 0.2
+            if not ids and not chunk_pending(path, pos):
+                from hpc_train import rundir
+                if rundir.busy(run_dir) is None:     # a local run that ended (or never ran): all read
+                    return 0
             if ids and time.monotonic() - last_query > 10:
                 last_query = time.monotonic()
                 st = scheduler.query(ids[-1:]).get(ids[-1])
@@ -112,6 +139,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
             delay = min(2.0, delay * 1.5)
     except KeyboardInterrupt:
         return 0
+
+
+def chunk_pending(path: Path, pos: int) -> bool:
+    try:
+        return path.stat().st_size > pos
+    except OSError:
+        return False
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-GRACE_S = 30.0   # after a failure, how long the surviving ranks get to exit before SIGKILL
+GRACE_S = 10.0   # after a failure, how long the surviving ranks get to exit before SIGKILL (they cannot save: a save needs every rank)
 HUNG_GRACE_S = 5.0   # after a rank stopped responding: the others wait on it in a collective, and cannot save
 
 

@@ -101,3 +101,16 @@ def check_path(path: Path | str, what: str) -> None:
     if bad:
         raise UsageError(f"{what} {str(path)!r} contains control characters ({', '.join(bad)}), which cannot go "
                          f"into a batch script; choose a path without them")
+
+
+def busy(run_dir: Path) -> str | None:
+    """Who holds the run directory's lock right now (a live run), or None."""
+    lock = RunDirLock(run_dir, "")
+    if not lock.path.exists():
+        return None
+    from hpc_train.errors import UsageError
+    try:
+        lock.acquire().release()
+        return None
+    except UsageError:
+        return lock.holder()

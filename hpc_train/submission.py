@@ -139,6 +139,9 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
     cfg.run_dir = str(rd)
     scheduler.check_resources(cfg.job)
     from hpc_train import resume as resume_mod
+    if resume != "none":
+        from hpc_train.config import check_resume_changes
+        check_resume_changes(rd, cfg, lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr))
     plan = resume_mod.plan(rd, resume, cfg if fn is None and not cfg.train.script and not cfg.train.fn else None)
     if plan.finished:
         raise UsageError(f"{rd} holds a finished run (result.json); use another --run-dir to train again")

@@ -134,7 +134,8 @@ class Trainer:
         cfg, p, run, st = self.cfg, self.progress, self.run, self.state
         accum = cfg.optim.grad_accum
         self.t_start = time.time()
-        run.restore(st)
+        if run.restore(st):
+            self._apply_hyperparameters()
         global_batch = cfg.data.batch_size * run.world_size * accum
         log.info("model %s (%.2fM parameters), data %s: %d train batches/rank/epoch, %d steps/epoch",
                  cfg.model.name, sum(t.numel() for t in self.model.parameters()) / 1e6, cfg.data.name,
@@ -192,6 +193,19 @@ class Trainer:
             log.info("done: %d steps, %d epochs, test accuracy %.4f, final train loss %.4f, %.1fs", result["steps"],
                      result["epochs"], result["test_accuracy"], result["train_loss"], result["wall_seconds"])
         return result
+
+    def _apply_hyperparameters(self) -> None:
+        """After a restore: the config's optimizer hyperparameters win over the checkpoint's, so an
+        edited config applies from the resumed step on (the schedule's shape already does: its
+        lambda is built from the config). Unchanged values give the same floats: still bitwise."""
+        o = self.cfg.optim
+        self.scheduler.base_lrs = [o.lr for _ in self.optimizer.param_groups]
+        for g, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            g["initial_lr"] = o.lr
+            g["lr"] = o.lr * factor(self.scheduler.last_epoch)
+            g["weight_decay"] = o.weight_decay
+            if "momentum" in g:
+                g["momentum"] = o.momentum
 
     def _eval_and_log(self, epoch: int) -> None:
         p = self.progress

@@ -170,3 +170,26 @@ def test_a_run_directory_that_is_a_file(tmp_path):
     f.write_text("x")
     _one_line_exit2(hpc("run", str(REPO / "jobs" / "digits.yaml"), "--run-dir", f), "is a file")
     assert f.read_text() == "x"
+
+
+def test_resume_with_a_changed_config_names_the_changes_and_refuses_what_cannot_load(tmp_path):
+    cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 6}, "checkpoint": {"every_steps": 3}})
+    rd = tmp_path / "run"
+    p = hpc("run", cfg, "--nproc", "2", "--run-dir", rd)
+    assert p.returncode == 0, show(p)
+    (rd / "result.json").unlink()                       # so that the next command resumes
+    before = sorted(str(x.relative_to(rd)) for x in rd.rglob("*") if x.is_file() and ".heartbeat" not in str(x))
+    for change, name in (("optim.name=sgd", "optim.name: 'adam' -> 'sgd'"),
+                         ("model.hidden=64", "model.hidden: 32 -> 64")):
+        p = hpc("run", cfg, "--nproc", "2", "--run-dir", rd, "--set", change)
+        line = _one_line_exit2(p, name, "checkpoints cannot load")
+        assert "Traceback" not in p.stderr and "KeyError" not in line
+    after = sorted(str(x.relative_to(rd)) for x in rd.rglob("*") if x.is_file() and ".heartbeat" not in str(x))
+    assert after == before                              # nothing written: no worker started
+    # A hyperparameter change is named and applies from the resumed step on.
+    p = hpc("run", cfg, "--nproc", "2", "--run-dir", rd, "--set", "optim.lr=0.0005", "--set", "train.max_steps=9",
+            "--set", "optim.schedule=constant", "--set", "optim.warmup_steps=0")
+    assert p.returncode == 0, show(p)
+    assert "resuming with a changed config: optim.lr: 0.003 -> 0.0005 (applies from the resumed step on)" in p.stderr
+    lrs = {m["step"]: m["lr"] for m in map(json.loads, (rd / "metrics.jsonl").read_text().splitlines()) if "lr" in m}
+    assert [lrs[s] for s in (7, 8, 9)] == [0.0005] * 3, lrs
