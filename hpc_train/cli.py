@@ -271,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e)
         print(msg if msg.startswith("python -m hpc_train") else f"hpc_train: error: {msg}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:
+        # A full, read-only or unwritable disk is the environment's problem, not a bug: one line.
+        from hpc_train.errors import os_error_line
+        print(f"hpc_train: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

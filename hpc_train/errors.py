@@ -29,3 +29,14 @@ def show(value: object, limit: int = 80) -> str:
     escapes newlines, which keeps the message to one line."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} characters)"
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for a filesystem failure: what, where, and the likely way out."""
+    import errno
+    where = f" {e.filename}" if e.filename else ""
+    hint = {errno.ENOSPC: "; free some space or use another --run-dir",
+            errno.EROFS: "; use a writable --run-dir",
+            errno.EACCES: "; check the permissions, or use another --run-dir",
+            errno.EDQUOT: "; your disk quota is spent"}.get(e.errno or 0, "")
+    return f"cannot use{where}: {e.strerror or e}{hint}"

@@ -72,9 +72,11 @@ def _first_error(run_dir: Path, rank: int) -> str:
     """The error's first paragraph (a script's failure: rank, host and its last lines; a
     Python error: its one-line summary, not the traceback under it)."""
     err = run_dir / "logs" / f"rank-{rank}.error"
-    if err.exists():
-        return err.read_text().split("\n\n")[0].strip() or "(empty error file)"
-    return f"no error recorded; see {run_dir / 'logs' / f'rank-{rank}.log'}"
+    try:
+        text = err.read_text().split("\n\n")[0].strip()
+    except OSError:
+        text = ""
+    return text or "its error could not be recorded (a full or read-only disk?): see its lines above"
 
 
 # What a rank reports when it lost a peer: it is a victim, not the cause.

@@ -19,6 +19,15 @@ from typing import Any
 log = logging.getLogger("hpc_train")
 
 
+class _RankFileHandler(logging.FileHandler):
+    """The rank's log file. When the disk fills up (or goes read-only) the file loses lines, but
+    logging's default reaction, a traceback with the whole record on stderr for every line, would
+    bury the one line that says what happened; the console handler still shows it."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
+
+
 def setup_logging(rank: int, run_dir: Path | None, level: str = "INFO") -> None:
     fmt = logging.Formatter(f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     log.handlers.clear()
@@ -30,7 +39,7 @@ def setup_logging(rank: int, run_dir: Path | None, level: str = "INFO") -> None:
     log.addHandler(console)
     if run_dir is not None:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(run_dir / "logs" / f"rank-{rank}.log")
+        fh = _RankFileHandler(run_dir / "logs" / f"rank-{rank}.log")
         fh.setFormatter(fmt)
         log.addHandler(fh)
 

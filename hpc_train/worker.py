@@ -65,14 +65,17 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     except BaseException as e:
         if type(e).__name__ == "ScriptFailed":    # its error file is written, naming rank and host
             raise
-        # A one-file summary the launcher shows when this rank dies (like torchelastic's error file).
-        (rd / "logs").mkdir(parents=True, exist_ok=True)
-        rundir.rank_error(rd, env.rank).write_text(
-            f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
-        if type(e).__name__ in _EXPECTED:
-            # A failure with a message that says it all: one line on the console and in the log
-            # (the traceback stays in the error file, for a bug report).
-            log.error("rank %d: %s: %s", env.rank, type(e).__name__, e)
+        line = _one_line(e)
+        # A one-file summary the launcher shows when this rank dies (like torchelastic's error file):
+        # the line, then the traceback for a bug report.
+        try:
+            (rd / "logs").mkdir(parents=True, exist_ok=True)
+            rundir.rank_error(rd, env.rank).write_text(f"{line or f'{type(e).__name__}: {e}'}\n\n"
+                                                       f"{traceback.format_exc()}")
+        except OSError:
+            pass    # the disk that failed may be this one; the console line below still says it
+        if line is not None:
+            log.error("rank %d: %s", env.rank, line)
         elif not isinstance(e, (KeyboardInterrupt, UsageError)):
             log.error("rank %d failed:\n%s", env.rank, traceback.format_exc())
         raise
@@ -84,6 +87,16 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
 
 # Errors whose message names the cause and the fix; anything else is logged with its traceback.
 _EXPECTED = {"NonFiniteError", "CheckpointError", "RendezvousError", "WatchdogError"}
+
+
+def _one_line(e: BaseException) -> str | None:
+    """The one line that says it all, for failures that are not bugs; None for anything else."""
+    if isinstance(e, OSError):      # a full or read-only disk: which file, and what to do
+        from hpc_train.errors import os_error_line
+        return f"{type(e).__name__}: {os_error_line(e)}"
+    if type(e).__name__ in _EXPECTED:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _address() -> str:
