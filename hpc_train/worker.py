@@ -47,6 +47,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     os.environ.update(environment.torchrun_vars(env))
     os.environ[rundir.RUN_DIR_ENV] = str(rd.absolute())
     os.environ[rundir.CONFIG_ENV] = str((rd / rundir.CONFIG).absolute())
+    _quiet_thread_os_errors()
     from hpc_train import watchdog
     watchdog.enable_stack_dumps(rundir.rank_log(rd, env.rank))
     heartbeat = watchdog.Heartbeat(rd, env.rank).start()
@@ -89,6 +90,21 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
 _EXPECTED = {"NonFiniteError", "CheckpointError", "RendezvousError", "WatchdogError"}
 
 
+def _quiet_thread_os_errors() -> None:
+    """DCP's writer threads die of a full disk with a traceback each; the save's own error
+    (raised in the training thread) already says it in one line. Worker processes are
+    hpc_train's own, so the hook is ours to set; anything but an OSError keeps its traceback."""
+    import threading
+    default = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError):
+            log.debug("thread %s: %s", getattr(args.thread, "name", "?"), args.exc_value)
+            return
+        default(args)
+    threading.excepthook = hook
+
+
 def _one_line(e: BaseException) -> str | None:
     """The one line that says it all, for failures that are not bugs; None for anything else."""
     if isinstance(e, OSError):      # a full or read-only disk: which file, and what to do
@@ -96,7 +112,15 @@ def _one_line(e: BaseException) -> str | None:
         return f"{type(e).__name__}: {os_error_line(e)}"
     if type(e).__name__ in _EXPECTED:
         return f"{type(e).__name__}: {e}"
+    text = str(e)
+    if isinstance(e, RuntimeError) and any(s in text.lower() for s in _PEER_LOST):
+        # A victim: another rank died or froze, and this one's collective failed. Not a bug here.
+        first = next((ln.strip() for ln in text.splitlines() if any(s in ln.lower() for s in _PEER_LOST)), text)
+        return f"lost a peer ({first[:300]})"
     return None
+
+
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "timed out waiting", "broken pipe")
 
 
 def _address() -> str:
@@ -170,7 +194,11 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
         return out
     finally:
         del trainer  # the DDP reducer must go before the group (see distributed.shutdown)
-        run._close()
+        try:
+            run._close()
+        except BaseException:   # noqa: BLE001 - after a failure, a pending save's error must not hide it
+            if clean:
+                raise
         run_mod._current = None
         distributed.shutdown(clean)
 

@@ -193,3 +193,36 @@ def test_resume_with_a_changed_config_names_the_changes_and_refuses_what_cannot_
     assert "resuming with a changed config: optim.lr: 0.003 -> 0.0005 (applies from the resumed step on)" in p.stderr
     lrs = {m["step"]: m["lr"] for m in map(json.loads, (rd / "metrics.jsonl").read_text().splitlines()) if "lr" in m}
     assert [lrs[s] for s in (7, 8, 9)] == [0.0005] * 3, lrs
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 700 KiB filesystem (tmpfs), and a read-only one: a full disk and a read-only mount
+    are faults only a real filesystem gives."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    full, ro = tmp_path / "full", tmp_path / "ro"
+    full.mkdir()
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(full)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(ro)], check=True)
+    yield full, ro
+    subprocess.run(["umount", "-l", str(full)])
+    subprocess.run(["umount", "-l", str(ro)])
+
+
+def test_full_and_read_only_disks_are_one_line(small_disk):
+    full, ro = small_disk
+    p = hpc("run", str(REPO / "jobs" / "digits.yaml"), "--run-dir", ro / "run", "--set", "train.max_steps=2")
+    _one_line_exit2(p, str(ro / "run"), "Read-only file system", "writable --run-dir")
+    p = hpc("run", str(REPO / "jobs" / "digits.yaml"), "--nproc", "2", "--run-dir", full / "run",
+            "--set", "model.name=mlp", "--set", "model.hidden=256", "--set", "train.max_steps=30",
+            "--set", "checkpoint.every_steps=5", "--set", "log.tensorboard=false")
+    assert p.returncode == 1, show(p)
+    assert "Traceback" not in p.stderr and "Logging error" not in p.stderr, show(p)
+    line = next(x for x in p.stderr.splitlines() if x.startswith("hpc_train: worker rank"))
+    assert "No space left on device" in line or "could not be recorded" in line, show(p)
+    assert "No space left on device" in p.stderr
+    for info in resume.scan(full / "run"):         # nothing half-written counts as complete
+        if info.complete:
+            load_full(info.path)
