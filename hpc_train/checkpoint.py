@@ -97,18 +97,25 @@ class SafePlanner(DefaultLoadPlanner):
 
 
 IO_THREADS = 2   # DCP FileSystemWriter threads per rank (see Checkpointer.save)
-
-
-def _dir_for(run_dir: Path, step: int) -> Path:
-    return resume.ckpt_root(run_dir) / f"step-{step}"
-
-
-IO_THREADS = 2   # DCP FileSystemWriter threads per rank (see Checkpointer.save)
 APP_FILE = "app.pt"   # rank 0's copy of the replicated non-DCP entries (schedulers, plain values)
+# Moved-aside step directories (skipped by resume, or never completed) kept by _prune, newest
+# first. TODO: a config field (checkpoint.keep_skipped) once config.py can take it.
+KEEP_SKIPPED = 3
 
 
 def _dir_for(run_dir: Path, step: int) -> Path:
     return resume.ckpt_root(run_dir) / f"step-{step}"
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a step directory to ``step-N.skipped-<unix time>[-k]`` beside it; never over another."""
+    base = f"{path.name}.skipped-{int(time.time())}"
+    dest, k = path.with_name(base), 1
+    while dest.exists():
+        dest, k = path.with_name(f"{base}-{k}"), k + 1
+    path.rename(dest)
+    log.warning("checkpoint %s moved aside to %s", path, dest.name)
+    return dest
 
 
 def _rank_file(path: Path, rank: int) -> Path:
@@ -172,6 +179,11 @@ class Checkpointer:
         self.last_step = -1
         self.stats: list[dict[str, float]] = []
         self.stager = None   # DCP's CPU staging, kept between async saves (see save)
+        # Set by Run.restore: the step resumed from (-1: a fresh start, or a checkpoint from
+        # another run directory). Step directories newer than it that this run did not write
+        # were passed over by resume (damaged, or never finished); see _prune.
+        self.resumed_from: int | None = None
+        self.written: set[int] = set()
 
     # -- schedule ----------------------------------------------------------------------------
     def due_by_time(self) -> bool:
@@ -189,12 +201,13 @@ class Checkpointer:
         self.wait()                      # one save in flight (see module docstring)
         path = _dir_for(self.run_dir, step)
         if self.rank == 0 and path.exists():
-            # A leftover from a run we did not resume from (it was skipped as incomplete):
+            # A leftover from a run we did not resume from (skipped as incomplete or damaged):
             # move it aside rather than write into it or delete it.
-            path.rename(path.with_name(f"{path.name}.skipped-{int(time.time())}"))
+            move_aside(path)
         if self.pg is not None:
             dist.barrier(group=self.pg)
         path.mkdir(parents=True, exist_ok=True)
+        self.written.add(step)
         torch.save(_rank_state(state, kinds), _rank_file(path, self.rank))
         if self.rank == 0:
             torch.save(_app_state(state, kinds), path / APP_FILE)
@@ -249,19 +262,37 @@ class Checkpointer:
         resume.write_commit(path, {**self.record, "step": step, "time": time.time(), "world_size": self.world,
                                    "torch": torch.__version__, "state": kinds, "save_seconds": round(seconds, 4)})
         log.info("checkpoint committed: %s (%.2fs)", path, seconds)
-        self._prune()
+        self._prune(step)
 
-    def _prune(self) -> None:
+    def _prune(self, committed: int | None = None) -> None:
+        """Delete only complete checkpoints beyond ``keep``. What resume passed over (damaged or
+        never finished: newer than the step resumed from, and not written by this run) and
+        anything incomplete (a crash leftover) is moved aside, never deleted, and never counts
+        toward ``keep`` (a damaged save kept in place of an intact one). Only the newest
+        KEEP_SKIPPED moved-aside copies are kept."""
         infos = resume.scan(self.run_dir)
-        complete = [i for i in infos if i.complete]
+        floor = committed if self.resumed_from is None else self.resumed_from
+
+        def skipped(i: resume.CkptInfo) -> bool:
+            # One save in flight, and rank 0 commits before the next one starts: no step directory
+            # newer than `committed` is being written by this run while this runs.
+            return floor is not None and i.step > floor and i.step not in self.written
+
+        complete = [i for i in infos if i.complete and not skipped(i)]
         if not complete:
             return
         newest = complete[0].step
         keep = {i.step for i in complete[: self.cfg.keep]}
         for info in infos:
-            # Older than the newest complete save and not kept: a pruned save, or a crash leftover.
-            if info.step < newest and info.step not in keep:
+            if skipped(info):
+                move_aside(info.path)
+            elif not info.complete:
+                if info.step < newest:     # a newer one may be a save still being written
+                    move_aside(info.path)
+            elif info.step not in keep:
                 shutil.rmtree(info.path, ignore_errors=True)
+        for old in resume.moved_aside(self.run_dir)[KEEP_SKIPPED:]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
         self.wait()
@@ -366,7 +397,12 @@ def export(path: Path, out: Path) -> int:
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - one clear line, not a traceback
         raise CheckpointError(f"cannot load checkpoint {path}: {_why(e)}") from None
     model = {k[len("model."):]: v for k, v in state.items()}
+    # The temporary file is opened exclusively: an existing "OUT.tmp" is not ours to overwrite.
     tmp = Path(str(out) + ".tmp")
-    torch.save(model, tmp)
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(model, f)
+    except FileExistsError:
+        raise CheckpointError(f"{tmp} exists (left over from an interrupted export?); remove it first") from None
     tmp.replace(out)
     return len(model)

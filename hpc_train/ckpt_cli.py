@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -19,18 +20,38 @@ def _run_dir(arg: str) -> Path:
     return p
 
 
+def _du(root: Path) -> int:
+    """Bytes in files under ``root`` (a run may be pruning while we walk: vanished files count 0)."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total
+
+
 def cmd_list(run_dir: Path) -> int:
+    from hpc_train.checkpoint import KEEP_SKIPPED   # hpc_train.checkpoint imports torch: only here
     infos = resume.scan(run_dir)
     print(f"{'step':>8}  {'saved at':19}  {'size':>10}  {'world':>5}  status")
     for i in infos:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.record["time"])) if "time" in i.record else "-"
+        t = i.record.get("time")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
         status = "complete" if i.complete else f"INCOMPLETE: {i.problem}"
         print(f"{i.step:>8}  {when:19}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  {status}")
+    aside = resume.moved_aside(run_dir)
+    print(f"moved aside: {len(aside)} (the newest {KEEP_SKIPPED} are kept)")
+    for a in aside:
+        print(f"  {a.name}  {_du(a) / 1e6:.2f}MB")
+    print(f"disk use of {resume.ckpt_root(run_dir)}: {_du(resume.ckpt_root(run_dir)) / 1e6:.2f}MB")
     return 0
 
 
 def verify_one(info: resume.CkptInfo) -> str | None:
-    """Beyond sizes: DCP's metadata loads safely and every item lies inside its file."""
+    """Beyond sizes: DCP's metadata loads safely, every item lies inside its file, and every
+    file matches its recorded checksum."""
     if not info.complete:
         return info.problem
     from hpc_train.checkpoint import SafeReader
@@ -45,7 +66,7 @@ def verify_one(info: resume.CkptInfo) -> str | None:
             return f"{index.fqn} points into {name}, which the commit record does not list"
         if storage.offset + storage.length > sizes[name]:
             return f"{index.fqn} lies past the end of {name}"
-    return None
+    return resume.verify_checksums(info)
 
 
 def cmd_verify(run_dir: Path) -> int:
@@ -60,7 +81,22 @@ def cmd_verify(run_dir: Path) -> int:
     return 1 if bad else 0
 
 
-def cmd_export(run_dir: Path, out: str, step: int | None) -> int:
+def _check_out(run_dir: Path, out: Path, force: bool) -> None:
+    """Refuse, before reading anything, an OUT that export must not write."""
+    if out.is_dir():
+        raise UsageError(f"ckpt export: {out} is a directory; give a file name, e.g. {out / 'model.pt'}")
+    parent = out.parent.resolve()
+    if not parent.is_dir():
+        raise UsageError(f"ckpt export: {out.parent} does not exist; create it first")
+    root = resume.ckpt_root(run_dir).resolve()
+    if parent == root or root in parent.parents:
+        raise UsageError(f"ckpt export: {out} is inside {root}, which holds the run's checkpoints; write it elsewhere")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise UsageError(f"ckpt export: {out} exists; pass --force to replace it")
+
+
+def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False) -> int:
+    _check_out(run_dir, Path(out), force)
     if step is None:
         info = resume.newest_complete(run_dir)
         if info is None:
@@ -87,4 +123,4 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         return cmd_list(run_dir)
     if args.ckpt_command == "verify":
         return cmd_verify(run_dir)
-    return cmd_export(run_dir, args.out, args.step)
+    return cmd_export(run_dir, args.out, args.step, getattr(args, "force", False))

@@ -97,12 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     ck = p.add_subparsers(dest="ckpt_command", metavar="ACTION", parser_class=_Parser, required=True)
     c = ck.add_parser("list", help="step, time, size, completeness, world size")
     c.add_argument("run_dir")
-    c = ck.add_parser("verify", help="check every checkpoint's files against its commit record")
+    c = ck.add_parser("verify", help="check every checkpoint's files against its commit record "
+                                          "(sizes, checksums, DCP metadata); exit 1 if any is bad")
     c.add_argument("run_dir")
     c = ck.add_parser("export", help="a consolidated model state_dict for torch.load(weights_only=True)")
     c.add_argument("run_dir")
     c.add_argument("out")
     c.add_argument("--step", type=int, default=None, help="default: the newest complete checkpoint")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
     p = sub.add_parser("config", help="print the resolved config without running anything")
     _add_config_args(p)

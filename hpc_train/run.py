@@ -72,6 +72,7 @@ class Run:
         self._ckpt = None
         self._monitor = None
         self._start_step = 0
+        self._resumed_from: int | None = None   # see Checkpointer.resumed_from; None: no restore
         self._last_state: Mapping[str, Any] | None = None
         self._kinds_cache: tuple[tuple[str, ...], dict[str, str]] | None = None
         self.checkpoint_record: dict[str, Any] = {"config_hash": cfg.digest()}   # extra commit.json fields
@@ -137,49 +138,108 @@ class Run:
             from hpc_train.checkpoint import Checkpointer
             self._ckpt = Checkpointer(self.config.checkpoint, self.run_dir, self.rank, self.world_size,
                                       self.checkpoint_record)
+            self._ckpt.resumed_from = self._resumed_from
         return self._ckpt
 
     def restore(self, state: dict[str, Any]) -> int:
         """Load the checkpoint chosen for this run into ``state`` in place (plain values are
-        replaced in the dict); returns the restored step, 0 on a fresh run."""
+        replaced in the dict); returns the restored step, 0 on a fresh run.
+
+        Rank 0 chooses (sizes and checksums: it reads the candidate whole) and the other ranks
+        take its choice, checking only that the directory is complete by sizes: every rank
+        re-reading every file would multiply the I/O by the world size. If the chosen checkpoint
+        fails to load on any rank, every rank moves on together to the next older one that
+        rank 0 verifies, until one loads or none is left."""
         from hpc_train import checkpoint, resume
         kinds = self._kinds(state)
         self.stop.listening = True   # code that restores will call step_end: a stop waits for it
         spec = os.environ.get("HPC_TRAIN_RESUME", "latest")
-        plan = resume.plan(self.run_dir, "latest" if spec == "none" else spec, None, warn=log.warning)
-        step = plan.source.step if plan.source else -1
-        if self._multi:
-            t = torch.tensor([step, -step], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if int(t[0]) != step or int(-t[1]) != step:
-                raise checkpoint.CheckpointError(
-                    f"ranks disagree on the checkpoint to resume (rank {self.rank}: step {step}); is {self.run_dir} "
-                    f"on a filesystem every node sees?")
-        if plan.source is not None:
-            error: BaseException | None = None
-            record: dict[str, Any] = {}
+        source: resume.CkptInfo | None = None
+        plan_error: Exception | None = None
+        if self.is_main:
             try:
-                record = checkpoint.load(state, plan.source.path, self.rank, self.world_size, kinds)
-            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                source = resume.plan(self.run_dir, "latest" if spec == "none" else spec, None, warn=log.warning).source
+            except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
+                plan_error = e
+        source = self._agree_on(source, plan_error)
+        record: dict[str, Any] = {}
+        while source is not None:
+            error: BaseException | None = None
+            try:
+                record = checkpoint.load(state, source.path, self.rank, self.world_size, kinds)
+            except Exception as e:  # noqa: BLE001 - handled below, on every rank together
                 error = e
             if self._multi:
                 # A rank that fails alone would sit in its next collective while the others wait
-                # in theirs: a hang until dist.timeout_s. Fail together.
+                # in theirs: a hang until dist.timeout_s. Fail (and fall back) together.
                 failed = torch.tensor([float(error is not None)], device=self.device)
                 dist.all_reduce(failed)
                 if error is None and failed.item() > 0:
-                    error = checkpoint.CheckpointError(f"another rank could not load {plan.source.path}; "
+                    error = checkpoint.CheckpointError(f"another rank could not load {source.path}; "
                                                        f"see {self.run_dir / 'logs'}")
-            if error is not None:
+            if error is None:
+                break
+            older = None
+            if self.is_main:
+                log.warning("skipping checkpoint %s: it does not load: %s", source.path,
+                            str(error).splitlines()[0] if str(error) else type(error).__name__)
+                older = resume.older_candidate(source, warn=log.warning)
+            older = self._agree_on(older)
+            if older is None:
+                # State may be partly overwritten by the failed load: never train on from it.
                 raise error
+            source = older
+        if source is not None:
             saved = record.get("world_size")
-            log.info("resumed from %s: step %d, saved at world size %s%s", plan.source.path, state["step"], saved,
+            log.info("resumed from %s: step %d, saved at world size %s%s", source.path, state["step"], saved,
                      "" if saved == self.world_size else
                      f" (saved at world size {saved}, now {self.world_size}: resharded)")
-        self._start_step = state["step"] if plan.source is not None else 0
+        self._start_step = state["step"] if source is not None else 0
+        own = source is not None and source.path.parent.resolve() == resume.ckpt_root(self.run_dir).resolve()
+        self._resumed_from = source.step if own else -1
         if self._ckpt is not None:
             self._ckpt.last_step = self._start_step
+            self._ckpt.resumed_from = self._resumed_from
         return self._start_step
+
+    _PATH_BYTES = 4096   # a checkpoint path, broadcast as a fixed-size byte tensor (any backend)
+
+    def _agree_on(self, chosen, error: Exception | None = None):
+        """Every rank takes rank 0's ``chosen`` (a CkptInfo or None). The others check only that
+        the directory is complete by sizes, failing together if any rank cannot see it. ``error``:
+        rank 0 could not choose; raised there, and every other rank stops too (rather than wait
+        in the next collective)."""
+        from hpc_train import checkpoint, resume
+        if not self._multi:
+            if error is not None:
+                raise error
+            return chosen
+        failed = torch.tensor([float(error is not None)], device=self.device)
+        dist.all_reduce(failed)
+        if failed.item() > 0:
+            if error is not None:
+                raise error
+            raise checkpoint.CheckpointError(f"rank 0 could not choose a checkpoint to resume; see {self.run_dir / 'logs'}")
+        buf = torch.zeros(self._PATH_BYTES, dtype=torch.uint8, device=self.device)
+        if self.is_main and chosen is not None:
+            raw = str(chosen.path).encode()
+            if len(raw) >= self._PATH_BYTES:
+                raise checkpoint.CheckpointError(f"checkpoint path longer than {self._PATH_BYTES} bytes: {chosen.path}")
+            buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        dist.broadcast(buf, 0)
+        raw = bytes(buf.cpu().tolist()).rstrip(b"\0")
+        info, problem = chosen, None
+        if not self.is_main and raw:
+            info = resume.inspect(Path(raw.decode()))
+            problem = None if info.complete else info.problem
+        bad = torch.tensor([float(problem is not None)], device=self.device)
+        dist.all_reduce(bad)
+        if bad.item() > 0:
+            raise checkpoint.CheckpointError(
+                f"rank 0 chose {raw.decode()} but " + (f"rank {self.rank} finds it incomplete ({problem})"
+                                                       if problem else "another rank finds it incomplete") +
+                f"; is {self.run_dir} on a filesystem every node sees?")
+        return info if raw else None
 
     def _flags(self) -> list[float]:
         timed = self._ckpt is not None and self._ckpt.due_by_time()
