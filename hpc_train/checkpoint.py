@@ -162,17 +162,29 @@ def _rank_state(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, An
             "objects": {k: _plain_of(k, state[k]) for k, kind in kinds.items() if kind == "per_rank"}}
 
 
+def _save_error(e: BaseException, step: int, run_dir: Path) -> BaseException:
+    """One line for a save that failed (a full disk, a lost peer): DCP's CheckpointException
+    holds every rank's traceback; the last line is the cause."""
+    if isinstance(e, (UsageError, CheckpointError)):
+        return e
+    return CheckpointError(f"cannot save checkpoint step {step} in {resume.ckpt_root(run_dir)}: {_why(e)} "
+                           f"(the newest complete checkpoint is kept)")
+
+
 class Checkpointer:
     """Saves a mapping of state objects on schedule and on request; one save in flight; rank 0
     commits and prunes. Knows nothing of what trains: see :mod:`hpc_train.state`."""
 
     def __init__(self, cfg: CheckpointSection, run_dir: Path, rank: int, world_size: int,
-                 record: dict[str, Any] | None = None) -> None:
+                 record: dict[str, Any] | None = None, timeout_s: float = 600.0) -> None:
         self.cfg, self.run_dir, self.rank, self.world = cfg, Path(run_dir), rank, world_size
         self.record = dict(record or {})     # extra fields for commit.json (config hash, ...)
         distributed = dist.is_initialized() and world_size > 1
-        # A group only for checkpoints: DCP's collectives must never interleave with DDP's.
-        self.pg = dist.new_group(backend="gloo") if distributed else None
+        # A group only for checkpoints: DCP's collectives must never interleave with DDP's. It
+        # gets dist.timeout_s like every group hpc_train makes (torch's default is 30 minutes:
+        # a rank lost mid-save would hang the others that long).
+        from datetime import timedelta
+        self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if distributed else None
         self.no_dist = not distributed
         self.pending: tuple[Future, int, float, dict[str, str]] | None = None
         self.last_save_t = time.monotonic()
@@ -196,6 +208,13 @@ class Checkpointer:
     # -- save --------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, blocking: bool = False,
              kinds: dict[str, str] | None = None) -> None:
+        try:
+            self._save(state, step, blocking, kinds)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise _save_error(e, step, self.run_dir) from None
+
+    def _save(self, state: Mapping[str, Any], step: int, blocking: bool,
+              kinds: dict[str, str] | None) -> None:
         t0 = time.perf_counter()
         kinds = kinds or state_mod.kinds(state)
         self.wait()                      # one save in flight (see module docstring)
@@ -247,7 +266,10 @@ class Checkpointer:
             return
         fut, step, t0, kinds = self.pending
         self.pending = None
-        fut.result()   # every rank: its share is written. Rank 0: .metadata is written too.
+        try:
+            fut.result()   # every rank: its share is written. Rank 0: .metadata is written too.
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - see save
+            raise _save_error(e, step, self.run_dir) from None
         if self.rank == 0:
             self._commit(step, time.perf_counter() - t0, kinds)
 

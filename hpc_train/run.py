@@ -137,7 +137,7 @@ class Run:
         if self._ckpt is None and self.config.checkpoint.enabled:
             from hpc_train.checkpoint import Checkpointer
             self._ckpt = Checkpointer(self.config.checkpoint, self.run_dir, self.rank, self.world_size,
-                                      self.checkpoint_record)
+                                      self.checkpoint_record, timeout_s=self.config.dist.timeout_s)
             self._ckpt.resumed_from = self._resumed_from
         return self._ckpt
 

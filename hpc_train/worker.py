@@ -98,8 +98,9 @@ def _quiet_thread_os_errors() -> None:
     default = threading.excepthook
 
     def hook(args: threading.ExceptHookArgs) -> None:
-        if isinstance(args.exc_value, OSError):
-            log.debug("thread %s: %s", getattr(args.thread, "name", "?"), args.exc_value)
+        name = getattr(args.thread, "name", "") or ""
+        if isinstance(args.exc_value, OSError) or "_write_files_from_queue" in name:   # DCP's writers
+            log.debug("thread %s: %s", name, args.exc_value)
             return
         default(args)
     threading.excepthook = hook
