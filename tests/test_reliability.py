@@ -36,7 +36,13 @@ def _wait_for(pred, timeout: float, what: str) -> None:
 
 def _worker_pid(run_dir: Path, rank: int) -> int:
     hb = run_dir / "logs" / ".heartbeat" / f"rank-{rank}"
-    _wait_for(hb.exists, 60, f"rank {rank}'s heartbeat")
+
+    def written() -> bool:
+        try:
+            return "pid" in json.loads(hb.read_text())
+        except (OSError, ValueError):
+            return False
+    _wait_for(written, 60, f"rank {rank}'s heartbeat")
     return json.loads(hb.read_text())["pid"]
 
 
@@ -118,7 +124,8 @@ def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
     p = _start("run", cfg, "--nproc", "2", "--run-dir", rd)
     pid = _worker_pid(rd, 1)
     if phase == "step":
-        _wait_for(lambda: "step 50/" in (rd / "logs" / "rank-0.log").read_text(), 120, "training")
+        log0 = rd / "logs" / "rank-0.log"
+        _wait_for(lambda: log0.exists() and "step 50/" in log0.read_text(), 120, "training")
     elif phase == "save":
         _wait_for(lambda: (rd / "checkpoints" / "step-3").exists(), 120, "saves under way")
     # load: the heartbeat appears at start-up, before the checkpoint is read: stop it now
