@@ -100,7 +100,6 @@ IO_THREADS = 2   # DCP FileSystemWriter threads per rank (see Checkpointer.save)
 APP_FILE = "app.pt"   # rank 0's copy of the replicated non-DCP entries (schedulers, plain values)
 # Moved-aside step directories (skipped by resume, or never completed) kept by _prune, newest
 # first. TODO: a config field (checkpoint.keep_skipped) once config.py can take it.
-KEEP_SKIPPED = 3
 
 
 def _dir_for(run_dir: Path, step: int) -> Path:
@@ -291,7 +290,7 @@ class Checkpointer:
         never finished: newer than the step resumed from, and not written by this run) and
         anything incomplete (a crash leftover) is moved aside, never deleted, and never counts
         toward ``keep`` (a damaged save kept in place of an intact one). Only the newest
-        KEEP_SKIPPED moved-aside copies are kept."""
+        checkpoint.keep_skipped moved-aside copies are kept."""
         infos = resume.scan(self.run_dir)
         floor = committed if self.resumed_from is None else self.resumed_from
 
@@ -313,7 +312,7 @@ class Checkpointer:
                     move_aside(info.path)
             elif info.step not in keep:
                 shutil.rmtree(info.path, ignore_errors=True)
-        for old in resume.moved_aside(self.run_dir)[KEEP_SKIPPED:]:
+        for old in resume.moved_aside(self.run_dir)[self.cfg.keep_skipped:]:
             shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:

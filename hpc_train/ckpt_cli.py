@@ -32,8 +32,17 @@ def _du(root: Path) -> int:
     return total
 
 
+def _keep_skipped(run_dir: Path) -> int:
+    """The run's checkpoint.keep_skipped (its config.yaml), else the default."""
+    from hpc_train import config
+    try:
+        return config.load(run_dir / "config.yaml").checkpoint.keep_skipped
+    except (UsageError, OSError):
+        return config.CheckpointSection().keep_skipped
+
+
 def cmd_list(run_dir: Path) -> int:
-    from hpc_train.checkpoint import KEEP_SKIPPED   # hpc_train.checkpoint imports torch: only here
+    keep_skipped = _keep_skipped(run_dir)
     infos = resume.scan(run_dir)
     print(f"{'step':>8}  {'saved at':19}  {'size':>10}  {'world':>5}  status")
     for i in infos:
@@ -42,7 +51,7 @@ def cmd_list(run_dir: Path) -> int:
         status = "complete" if i.complete else f"INCOMPLETE: {i.problem}"
         print(f"{i.step:>8}  {when:19}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  {status}")
     aside = resume.moved_aside(run_dir)
-    print(f"moved aside: {len(aside)} (the newest {KEEP_SKIPPED} are kept)")
+    print(f"moved aside: {len(aside)} (the newest {keep_skipped} are kept: checkpoint.keep_skipped)")
     for a in aside:
         print(f"  {a.name}  {_du(a) / 1e6:.2f}MB")
     print(f"disk use of {resume.ckpt_root(run_dir)}: {_du(resume.ckpt_root(run_dir)) / 1e6:.2f}MB")

@@ -146,6 +146,7 @@ class CheckpointSection:
     every_steps: int = _f(0, min=0)              # 0 = off
     every_seconds: float = _f(0.0, min=0, max=_WEEK)   # 0 = off
     keep: int = _f(2, min=2)                     # the newest may still be being written
+    keep_skipped: int = _f(3, min=0)             # moved-aside damaged/unfinished copies kept (never deleted sooner)
     async_save: bool = _f(True)
 
 

@@ -14,7 +14,9 @@ import pytest
 from ckpt_helpers import hpc, run, show, snapshot, steps, write_config
 
 from hpc_train import resume
-from hpc_train.checkpoint import KEEP_SKIPPED
+from hpc_train.config import CheckpointSection
+
+KEEP_SKIPPED = CheckpointSection().keep_skipped
 from hpc_train.ckpt_cli import verify_one
 
 
@@ -188,7 +190,7 @@ def test_prune_moves_skipped_and_partial_aside_and_bounds_them(copy):
     assert len(names) == KEEP_SKIPPED and names[-2:] == ["step-6", "step-8"], names
     assert {a.name for a in resume.moved_aside(rd)} & {f"step-2.skipped-{1600000000 + k}" for k in range(2)} == set()
     lst = hpc("ckpt", "list", rd)
-    assert f"moved aside: {KEEP_SKIPPED} (the newest {KEEP_SKIPPED} are kept)" in lst.stdout, show(lst)
+    assert f"moved aside: {KEEP_SKIPPED} (the newest {KEEP_SKIPPED} are kept: checkpoint.keep_skipped)" in lst.stdout, show(lst)
     assert "disk use of" in lst.stdout
 
 
