@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -411,8 +412,8 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
         cfg = config
     else:
         cfg = config_mod.load(str(config) if config else env_cfg, list(overrides))
-    rd = Path(run_dir or os.environ.get(rundir.RUN_DIR_ENV) or cfg.run_dir or
-              f"runs/{Path(os.path.basename(__import__('sys').argv[0]) or 'hpc_train').stem or 'hpc_train'}")
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else ""
+    rd = Path(run_dir or os.environ.get(rundir.RUN_DIR_ENV) or cfg.run_dir or f"runs/{script or 'hpc_train'}")
     env = environment.current()
     setup_logging(env.rank, rd, cfg.log.level)
     stop = StopRequest()
