@@ -210,8 +210,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--run-dir {run_dir} is a file, not a directory")
     # One run per directory, before anything in it is touched (a second run would resume from
-    # this one's checkpoints and move its newer saves aside).
-    lock = rundir.RunDirLock(run_dir, f"`python -m hpc_train run` ({args.nproc} processes)").acquire()
+    # this one's checkpoints and move its newer saves aside). A directory that does not exist yet
+    # holds nothing to protect: it is made, and locked, only once the checks below pass.
+    lock = rundir.RunDirLock(run_dir, f"`python -m hpc_train run` ({args.nproc} processes)")
+    if run_dir.exists():
+        lock.acquire()
     try:
         from hpc_train import resume
 
@@ -225,6 +228,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"hpc_train: {run_dir} holds a finished run ({run_dir / 'result.json'}); nothing to do. "
                   f"Use another --run-dir to train again.", file=sys.stderr)
             return 0
+        if lock.fd is None:
+            lock.acquire()
         path = config_mod.write(cfg, run_dir)
         print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
               f"{plan.describe()}", file=sys.stderr)

@@ -32,6 +32,14 @@ DUMP_SIGNAL = signal.SIGRTMIN + 7
 _dump_file = None      # kept open: faulthandler writes to its file descriptor from a signal handler
 
 
+# Held while the heartbeat thread touches its file, and by a fork (data-loader workers fork the
+# training process): a child must never be made while that thread is inside a C call that may
+# hold an allocator or filesystem lock, which the child would inherit locked and hang on.
+_beat_lock = threading.Lock()
+os.register_at_fork(before=_beat_lock.acquire, after_in_parent=_beat_lock.release,
+                    after_in_child=_beat_lock.release)
+
+
 class Heartbeat:
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.path = rundir.heartbeat_path(run_dir, rank)
@@ -46,10 +54,11 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
-            try:
-                os.utime(self.path)
-            except OSError:      # a full or vanished disk must not kill the task from here
-                pass
+            with _beat_lock:
+                try:
+                    os.utime(self.path)
+                except OSError:      # a full or vanished disk must not kill the task from here
+                    pass
 
     def stop(self) -> None:
         self._stop.set()

@@ -127,10 +127,12 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """relative path -> (size, mtime_ns) of every file under root."""
+    """relative path -> (size, mtime_ns) of every file under root, but the run directory's lock
+    (`.lock`: every command that may touch the directory takes it first and writes its own pid
+    there) and the heartbeats (`logs/.heartbeat/`), which are liveness, not data."""
     root = Path(root)
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock" and ".heartbeat" not in p.parts}
 
 
 def children(pid: int) -> list[int]:

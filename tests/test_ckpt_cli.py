@@ -53,7 +53,7 @@ def test_list_shows_step_time_size_status_world(copy):
     assert rows[2][-1] != "complete" and "INCOMPLETE: no commit record" in p.stdout.splitlines()[3]
     aside_mb = sum(f.stat().st_size for f in aside.iterdir()) / 1e6
     total_mb = sum(f.stat().st_size for f in (rd / "checkpoints").rglob("*") if f.is_file()) / 1e6
-    assert lines[4:] == ["moved aside: 1 (the newest 3 are kept)", f"  step-8.skipped-1700000000  {aside_mb:.2f}MB",
+    assert lines[4:] == ["moved aside: 1 (the newest 3 are kept: checkpoint.keep_skipped)", f"  step-8.skipped-1700000000  {aside_mb:.2f}MB",
                          f"disk use of {rd / 'checkpoints'}: {total_mb:.2f}MB"], lines
 
 
