@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="state, nodes, restarts, last step and loss of a run or job")
     p.add_argument("target", nargs="?", default=None, help="RUN_DIR or JOB_ID (default: runs/*)")
+    p.add_argument("--goodput", action="store_true",
+                   help="where the wall time since the first submit went, as a table (goodput.json)")
     p = sub.add_parser("logs", help="show (or follow) a run's per-rank log")
     p.add_argument("target", help="RUN_DIR or JOB_ID")
     p.add_argument("--rank", type=int, default=0)

@@ -77,6 +77,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         budget = _budget_line(run_dir)
         if budget:
             print(f"  {budget}")
+        from hpc_train import goodput
+        if getattr(args, "goodput", False):
+            print("  " + goodput.table(run_dir).replace("\n", "\n  "))
+        else:
+            line = goodput.summary_line(run_dir)
+            if line:
+                print(f"  {line}")
     return 0
 
 

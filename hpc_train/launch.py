@@ -42,9 +42,11 @@ def rendezvous_port(environ: dict[str, str] | None = None) -> int:
 
 
 def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str, port: int) -> list[subprocess.Popen]:
+    from hpc_train.goodput import process_start_time
+    launched = f"{process_start_time():.3f}"   # the goodput ledger counts start-up from here
     procs = []
     for rank in range(nproc):
-        env = dict(os.environ, HPC_TRAIN_LAUNCHER="local", RANK=str(rank), LOCAL_RANK=str(rank),
+        env = dict(os.environ, HPC_TRAIN_LAUNCHER="local", HPC_TRAIN_LAUNCHED_AT=launched, RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
                    HPC_TRAIN_RESUME=resume)
@@ -169,6 +171,8 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        from hpc_train.goodput import exited, process_start_time
+        exited(run_dir, process_start_time())
     if interrupts["n"] > 1:
         print("hpc_train: aborted; workers killed", file=sys.stderr)
         return 130

@@ -101,6 +101,11 @@ class Monitor:
         if any(k.startswith("eval_") for k in scalars):
             self._f.flush()
 
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        """One TensorBoard scalar outside the step's metrics (the goodput, at each save)."""
+        if self._tb is not None:
+            self._tb.add_scalar(tag, value, step)
+
     def flush(self) -> None:
         if self.enabled:
             self._f.flush()

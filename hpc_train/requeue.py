@@ -115,8 +115,14 @@ def requested(run_dir: Path) -> bool:
 def _scontrol_requeue(target: str) -> tuple[bool, str]:
     if shutil.which("scontrol") is None:
         return False, "scontrol is not on PATH in the batch shell either"
-    out = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True, timeout=60)
-    return out.returncode == 0, (out.stderr or out.stdout).strip()
+    if not target:
+        return False, "no job id (SLURM_JOB_ID is not set)"
+    try:
+        out = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return False, "scontrol did not answer in 60 s"
+    lines = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
+    return out.returncode == 0, lines[-1].strip() if lines else ""   # its last line is the cause
 
 
 UNFINISHED = 3   # the job's exit code for "stopped before the end and not requeued"
@@ -133,13 +139,21 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
     """
     env = dict(os.environ if env is None else env)
     run_dir = Path(run_dir)
+    from hpc_train.goodput import exited
+    exited(run_dir, goodput_job_start(env))   # every task of this job has exited (srun returned)
     pending = run_dir / PENDING
     if (run_dir / "result.json").exists():
         pending.unlink(missing_ok=True)
         return "run finished; no requeue", 0
     if pending.exists():
-        req = json.loads(pending.read_text())
-        pending.unlink()
+        try:
+            req = json.loads(pending.read_text())
+            req["target"], req["cause"]
+        except (ValueError, TypeError, KeyError, OSError):
+            # Written atomically, so only outside hands damage it. It exists only when the run
+            # asked for a requeue within its budget: requeue this task, the only safe target.
+            req = {"target": _own_target(env), "cause": f"{PENDING} unreadable"}
+        pending.unlink(missing_ok=True)
         ok, detail = _scontrol_requeue(req["target"])
         if not ok:
             return f"NOT requeued: scontrol requeue {req['target']} failed: {detail}", UNFINISHED
@@ -151,8 +165,7 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
     if status == 0 and final:
         return f"NOT requeued: {final}", UNFINISHED
     if status != 0:
-        array = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
-        target = f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID", "")
+        target = _own_target(env)
         restart = int(env.get("SLURM_RESTART_COUNT") or 0)
         if budgets is None:
             budgets = _budgets_from_config(run_dir)
@@ -163,6 +176,21 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
             return (f"{msg}; requeued", 0) if ok else (f"{msg}; NOT requeued: {detail}", status)
         return msg, status
     return "no requeue requested", 0
+
+
+def goodput_job_start(env: dict[str, str]) -> float:
+    """This job's start (Slurm's SLURM_JOB_START_TIME where set); 0 when unknown."""
+    try:
+        return float(env.get("SLURM_JOB_START_TIME") or 0)
+    except ValueError:
+        return 0.0
+
+
+def _own_target(env: dict[str, str]) -> str:
+    """This job, as scontrol requeue must name it: an array task by ARRAYJOB_TASK, never the
+    whole array."""
+    array = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    return f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID", "")
 
 
 def _budgets_from_config(run_dir: Path) -> dict[str, int]:

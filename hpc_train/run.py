@@ -82,6 +82,7 @@ class Run:
         self.stopped = False
         self.finished = False
         self.stop_step: int | None = None
+        self._ledger_obj = None   # rank 0's goodput ledger (see hpc_train.goodput), built at first use
 
     # -- what the loop asks ----------------------------------------------------------------
     @property
@@ -154,6 +155,7 @@ class Run:
         from hpc_train import checkpoint, resume
         kinds = self._kinds(state)
         self.stop.listening = True   # code that restores will call step_end: a stop waits for it
+        t_load = time.time()
         spec = os.environ.get("HPC_TRAIN_RESUME", "latest")
         source: resume.CkptInfo | None = None
         plan_error: Exception | None = None
@@ -196,6 +198,8 @@ class Run:
                      "" if saved == self.world_size else
                      f" (saved at world size {saved}, now {self.world_size}: resharded)")
         self._start_step = state["step"] if source is not None else 0
+        if self._ledger() is not None:
+            self._ledger().restored(self._start_step, time.time() - t_load if source is not None else 0.0)
         own = source is not None and source.path.parent.resolve() == resume.ckpt_root(self.run_dir).resolve()
         self._resumed_from = source.step if own else -1
         if self._ckpt is not None:
@@ -272,17 +276,38 @@ class Run:
         if not all(math.isfinite(v) for v in self.step_sums):
             # Every rank sees the same sums, so every rank raises here, before any save.
             self._diverged(step, f"the values summed with the step are {self.step_sums} (the loss first)")
+        ledger = self._ledger()
+        if ledger is not None:
+            ledger.step(step)
         ckpt = self._checkpointer()
         if ckpt is not None:
             if self.is_main:
                 ckpt.poll()
             if ckpt.due(step, force=stop, timed=timed):
+                t0 = time.perf_counter()
                 self._sync_buffers()
                 self._check_weights(state, kinds, step)
                 ckpt.save(state, step, blocking=stop, kinds=kinds)
+                if ledger is not None:
+                    self._saved(ledger, step, time.perf_counter() - t0)
         if stop:
             self._on_stop(step)
         return stop
+
+    def _ledger(self):
+        """Rank 0's goodput ledger; None on other ranks (see :mod:`hpc_train.goodput`)."""
+        if self._ledger_obj is None and self.is_main:
+            from hpc_train.goodput import Ledger
+            self._ledger_obj = Ledger(self.run_dir)
+        return self._ledger_obj
+
+    def _saved(self, ledger, step: int, blocked_s: float) -> None:
+        ledger.saved(blocked_s)
+        if self._monitor is not None and self.config.log.tensorboard:
+            from hpc_train.goodput import breakdown
+            b = breakdown(self.run_dir)
+            if b is not None and b["wall_s"] > 0:
+                self._monitor.scalar("goodput/training", b["parts"]["training"] / b["wall_s"], step)
 
     def _diverged(self, step: int, what: str) -> None:
         last = self._ckpt.last_step if self._ckpt is not None and self._ckpt.last_step >= 0 else None
@@ -345,6 +370,8 @@ class Run:
         """Wait for saves, close the reporters and the loaders' worker processes."""
         if self._ckpt is not None:
             self._ckpt.close()
+        if self._ledger_obj is not None:
+            self._ledger_obj.close()
         if self._monitor is not None:
             self._monitor.close()
             self._monitor = None

@@ -147,3 +147,18 @@ def test_config_and_run_refuse_alike(run_cli, tmp_path, item):
         stderr[argv[0]] = r.stderr
     assert stderr["config"] == stderr["run"]
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("pending", ['{"target":', "[]", '{"cause": "preemption"}'])
+def test_requeue_hook_survives_a_damaged_request(run_cli, clean_env, tmp_path, pending):
+    """The batch shell's hook with a damaged requeue.pending (written atomically, so only outside
+    hands do this): one line, no traceback, and it tries to requeue its own job, not nothing.
+    No scontrol on PATH here (no cluster in this test), so the requeue itself fails, cleanly."""
+    (tmp_path / "requeue.pending").write_text(pending)
+    env = clean_env(SLURM_JOB_ID="4242", PATH="/usr/bin:/bin")
+    r = run_cli("requeue-hook", tmp_path, "0", env=env, timeout=60)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and "NOT requeued" in lines[0] and "scontrol" in lines[0], r.stderr
+    assert r.returncode == 3, r.stderr          # requeue.UNFINISHED: stopped and not requeued
+    assert not (tmp_path / "requeue.pending").exists()

@@ -81,6 +81,21 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monk
     assert got == ref_losses
     status = slurm.cli("status", run_dir)
     assert "restarts 2" in status.stdout and "preemption 2" in status.stdout, status.stdout
+    # The goodput ledger across the three runs: a graceful stop saves at its step, so nothing is
+    # redone (and metrics.jsonl above has every step once: none lost); its wall time is the
+    # scheduler's, from the submit to the last run's end (sacct: whole seconds, hence the 1 s).
+    from datetime import datetime
+
+    from hpc_train import goodput
+    ledger = json.loads((run_dir / goodput.FILE).read_text())
+    assert len(ledger["segments"]) == 3 and all(s["redone_steps"] == 0 for s in ledger["segments"])
+    b = goodput.breakdown(run_dir)
+    submitted = json.loads((run_dir / "job.json").read_text())["jobs"][0]["submitted"]
+    wall = datetime.fromisoformat(runs[-1]["End"]).timestamp() - submitted
+    assert abs(b["wall_s"] - wall) <= 0.02 * wall + 1.0, (b, wall)
+    assert b["parts"]["between runs"] > 0 and b["parts"]["checkpoint"] > 0 and b["parts"]["training"] > 0
+    print(f"goodput after 2 preemptions: {goodput.summary_line(run_dir)}; scheduler's wall {wall:.1f} s")
+    assert "goodput:" in status.stdout
 
 
 def test_time_limit_requeues_itself_and_finishes_bitwise(slurm, tmp_path):
@@ -175,3 +190,39 @@ def test_killed_rank_ends_the_job_and_failure_budget_resumes_it(slurm, tmp_path)
     assert json.loads((run_dir / "requeue.json").read_text())["counts"]["failure"] == 1
     assert re.search(r"resumed from \S+step-\d+: step \d+", (run_dir / "logs" / "rank-0.log").read_text())
     assert json.loads((run_dir / "result.json").read_text())["steps"] == 2000
+
+
+def test_stopped_rank_is_named_with_its_stack_and_the_failure_budget_resumes_it(slurm, tmp_path):
+    """A rank that stops responding on another node (SIGSTOP, a real frozen process): rank 0's
+    watchdog names it, its stack reaches its log through Slurm, the step ends within
+    dist.timeout_s + 60 s, and the failure budget requeues the job, which resumes and completes."""
+    run_dir = tmp_path / "job"
+    timeout_s = 15
+    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=1500", "--set", "checkpoint.every_steps=200",
+                  "--set", f"dist.timeout_s={timeout_s}", "--set", "job.requeue_failure=1",
+                  "--nodes", "2", "--run-dir", run_dir)
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    slurm.wait_state(job, {"RUNNING"}, 120)
+    _wait_steps(run_dir, 300, 180)
+    line = next(x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if "on-node" in x)
+    pid = int(re.search(r"pid (\d+)", line).group(1))
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        while slurm.state(job).split()[0] == "RUNNING" and time.monotonic() - stopped < timeout_s + 90:
+            time.sleep(0.5)
+    finally:
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGCONT)
+    ended_after = time.monotonic() - stopped
+    print(f"SIGSTOP of rank 1 on Slurm: the job step ended {ended_after:.1f} s later")
+    assert ended_after < timeout_s + 60, f"the job kept running {ended_after:.0f}s after a rank froze"
+    assert slurm.wait_done(job, 300) == "COMPLETED"
+    log0 = (run_dir / "logs" / "rank-0.log").read_text()
+    assert f"rank 1 (pid {pid} on " in log0 and "stopped responding" in log0, log0[-3000:]
+    log1 = (run_dir / "logs" / "rank-1.log").read_text()
+    assert "most recent call first" in log1, log1[-3000:]   # faulthandler's dump, asked for through scancel
+    assert json.loads((run_dir / "requeue.json").read_text())["counts"]["failure"] == 1
+    assert re.search(r"resumed from \S+step-\d+: step \d+", log0)
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 1500

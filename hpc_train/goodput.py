@@ -1,0 +1,215 @@
+"""The goodput ledger: where a run's wall time went, continuous across requeues and restarts.
+
+``RUN_DIR/goodput.json`` holds one *segment* per start of the job's processes (rank 0 writes
+it: at start, after every checkpoint save and at exit), plus the time of the first submit
+(``job.json`` under Slurm; the local launcher's start otherwise). From it, the wall time since
+the first submit splits exactly into:
+
+* **training**: steps whose results were kept;
+* **redone**: steps trained after the last checkpoint before a crash, trained again after the
+  restart (taken from the ``metrics.jsonl`` lines the restart drops, so it is measured, not
+  estimated). A graceful stop saves at its step, so a preemption redoes nothing;
+* **start-up**: process start (job start under Slurm) to the first step, less the load;
+* **checkpoint**: save time that blocked training, and the load on resume;
+* **exit**: from the last step (or the stop's save) until every process has exited, as the
+  local launcher or the batch shell's requeue hook sees it;
+* **between runs**: pending in the queue, requeue, and any gap between one run and the next.
+
+The parts add up to the wall time by construction; a segment that ended without writing its
+end (kill -9, node loss) ends at its last ``metrics.jsonl`` line. Torch-free: ``status`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+FILE = "goodput.json"
+PARTS = ("training", "redone", "start-up", "checkpoint", "exit", "between runs")
+
+
+def process_start_time() -> float:
+    """When this job incarnation started: Slurm's job start, else this process's start (so
+    interpreter start-up and imports count as start-up), else now."""
+    env = os.environ.get("SLURM_JOB_START_TIME") or os.environ.get("HPC_TRAIN_LAUNCHED_AT")
+    if env:
+        try:
+            return float(env)
+        except ValueError:
+            pass
+    try:
+        # /proc/self/stat field 22: the start, in clock ticks after boot; /proc/uptime: now, after
+        # boot (10 ms resolution; /proc/stat's btime is whole seconds, too coarse to subtract).
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        age = float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def _read(run_dir: Path) -> dict[str, Any]:
+    try:
+        rec = json.loads((run_dir / FILE).read_text())
+        if isinstance(rec, dict) and isinstance(rec.get("segments"), list):
+            return rec
+    except (OSError, ValueError):
+        pass
+    return {"segments": []}
+
+
+def _first_submit(run_dir: Path, fallback: float) -> float:
+    try:
+        return float(json.loads((run_dir / "job.json").read_text())["jobs"][0]["submitted"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return fallback
+
+
+def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, float | None]:
+    """The training lines of ``metrics.jsonl`` after ``keep_through_step`` (about to be dropped
+    by a resume): (how many, the wall time they span from the kept step's line, the last line's
+    time). Read before the Monitor truncates the file."""
+    times: dict[int, float] = {}
+    try:
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    step, t = int(rec["step"]), float(rec["time"])
+                    times[step] = max(t, times.get(step, t))   # an eval line comes after its step's
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except OSError:
+        return 0, 0.0, None
+    later = [s for s in times if s > keep_through_step]
+    if not later:
+        return 0, 0.0, max(times.values(), default=None)
+    last = max(times[s] for s in later)
+    start = times.get(keep_through_step, min(times[s] for s in later))
+    return len(later), max(0.0, last - start), last
+
+
+class Ledger:
+    """Rank 0's writer for this process's segment. Every method is cheap and never raises:
+    accounting must not end a training run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / FILE
+        self.run_dir = Path(run_dir)
+        started = process_start_time()
+        self.rec = _read(self.run_dir)
+        self.rec.setdefault("first_submit", _first_submit(self.run_dir, started))
+        self.seg: dict[str, Any] = {"start": started, "first_step": None, "end": None, "load_s": 0.0,
+                                    "save_block_s": 0.0, "redone_s": 0.0, "redone_steps": 0, "step_from": None,
+                                    "step_to": None, "closed": False}
+        self.rec["segments"].append(self.seg)
+
+    def restored(self, step: int, load_s: float) -> None:
+        """After restore: the load's time, and the steps the last segment trained past ``step``
+        that this one trains again (charged to the segment that trained them)."""
+        self.seg["load_s"] = round(load_s, 4)
+        self.seg["step_from"] = step
+        n, span, last = dropped_steps(self.run_dir / "metrics.jsonl", step)
+        prev = self.rec["segments"][-2] if len(self.rec["segments"]) > 1 else None
+        if prev is not None:
+            if n:
+                prev["redone_steps"], prev["redone_s"] = n, round(span, 4)
+            if not prev.get("closed") and last is not None:
+                prev["end"] = max(prev.get("end") or 0.0, last)   # died without writing its end
+        self._write()
+
+    def step(self, step: int) -> None:
+        if self.seg["first_step"] is None:
+            self.seg["first_step"] = time.time()
+            if self.seg["step_from"] is None:
+                self.seg["step_from"] = step - 1
+        self.seg["step_to"] = step
+
+    def saved(self, blocked_s: float) -> None:
+        self.seg["save_block_s"] = round(self.seg["save_block_s"] + blocked_s, 4)
+        self.seg["end"] = time.time()
+        self._write()
+
+    def close(self) -> None:
+        self.seg["end"], self.seg["closed"] = time.time(), True
+        self._write()
+
+    def _write(self) -> None:
+        try:
+            tmp = self.path.with_name(FILE + ".tmp")
+            tmp.write_text(json.dumps(self.rec, indent=1))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass   # a full disk is reported by the checkpoint that fails, not by the ledger
+
+
+def exited(run_dir: Path, since: float) -> None:
+    """The launcher (local) or the batch shell's hook (Slurm), once every process has exited:
+    the newest segment, if it began after ``since``, ends now (the processes' own teardown, and
+    a killed rank 0 that never wrote its end, count up to here). Never raises."""
+    try:
+        rec = _read(Path(run_dir))
+        if rec["segments"] and float(rec["segments"][-1].get("start", 0)) >= since - 1.0:
+            rec["segments"][-1]["exited"] = time.time()
+            tmp = Path(run_dir) / (FILE + ".tmp")
+            tmp.write_text(json.dumps(rec, indent=1))
+            os.replace(tmp, Path(run_dir) / FILE)
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+def breakdown(run_dir: Path, now: float | None = None) -> dict[str, Any] | None:
+    """Seconds per part (see the module docstring), the wall time and the number of runs; None
+    when the run has no ledger. A segment still running counts up to ``now``."""
+    rec = _read(Path(run_dir))
+    segs = [s for s in rec["segments"] if isinstance(s, dict) and isinstance(s.get("start"), (int, float))]
+    if not segs:
+        return None
+    now = time.time() if now is None else now
+    parts = dict.fromkeys(PARTS, 0.0)
+    prev_end = float(rec.get("first_submit", segs[0]["start"]))
+    first = prev_end
+    for i, s in enumerate(segs):
+        start = max(float(s["start"]), prev_end)
+        end = s.get("end") or (now if i == len(segs) - 1 else start)
+        end = max(float(end), start)
+        parts["between runs"] += start - prev_end
+        fs = s.get("first_step")
+        fs = min(max(float(fs), start), end) if fs else end
+        load = min(float(s.get("load_s") or 0.0), fs - start)
+        parts["start-up"] += fs - start - load
+        block = min(float(s.get("save_block_s") or 0.0), end - fs)
+        redone = min(float(s.get("redone_s") or 0.0), end - fs - block)
+        parts["checkpoint"] += load + block
+        parts["redone"] += redone
+        parts["training"] += end - fs - block - redone
+        gone = s.get("exited")
+        if isinstance(gone, (int, float)) and gone > end:
+            parts["exit"] += gone - end
+            end = float(gone)
+        prev_end = end
+    wall = prev_end - first
+    return {"wall_s": wall, "parts": parts, "runs": len(segs),
+            "redone_steps": sum(int(s.get("redone_steps") or 0) for s in segs)}
+
+
+def summary_line(run_dir: Path) -> str | None:
+    b = breakdown(run_dir)
+    if b is None or b["wall_s"] <= 0:
+        return None
+    pct = ", ".join(f"{100 * v / b['wall_s']:.1f}% {k}" for k, v in b["parts"].items())
+    return f"goodput: {pct} (wall {b['wall_s']:.0f} s, {b['runs']} run{'s' if b['runs'] != 1 else ''})"
+
+
+def table(run_dir: Path) -> str:
+    b = breakdown(run_dir)
+    if b is None:
+        return f"{run_dir}: no {FILE} (the run has not started)"
+    rows = [f"{'part':<14}{'seconds':>10}{'share':>9}"]
+    for k, v in b["parts"].items():
+        rows.append(f"{k:<14}{v:>10.1f}{100 * v / max(b['wall_s'], 1e-9):>8.1f}%")
+    rows.append(f"{'wall':<14}{b['wall_s']:>10.1f}{100.0:>8.1f}%")
+    rows.append(f"runs: {b['runs']}; steps redone after a restart: {b['redone_steps']}")
+    return "\n".join(rows)

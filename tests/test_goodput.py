@@ -1,0 +1,90 @@
+"""The goodput ledger (issue 12), on real local runs: a kill -9 after a checkpoint, a stop by
+SIGTERM, and the resumes that follow. The ledger's redone steps must equal the steps lost (the
+``metrics.jsonl`` lines past the checkpoint the restart resumes from), its parts must add up to
+the wall time measured outside it, and ``status`` must show it. (The same on the real cluster,
+with preemptions, is in tests/slurm/test_preemption.py.)"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ckpt_helpers import REPO, clean_env, hpc, kill9_workers, show, write_config
+
+from hpc_train import goodput, resume
+
+
+def _metric_steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+def test_ledger_counts_redone_steps_and_adds_up_to_the_wall_time(tmp_path):
+    cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 400}, "checkpoint": {"every_steps": 40}})
+    rd = tmp_path / "run"
+    t_first = time.time()
+    p = subprocess.Popen([sys.executable, "-m", "hpc_train", "run", str(cfg), "--nproc", "2", "--run-dir", str(rd)],
+                         cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Past a checkpoint, and some steps beyond it that the kill will lose.
+    deadline = time.monotonic() + 180
+    while True:
+        ck = resume.newest_complete(rd)
+        done = _metric_steps(rd) if (rd / "metrics.jsonl").exists() else []
+        if ck is not None and done and max(done) >= ck.step + 15 and ck.step >= 40:
+            break
+        assert time.monotonic() < deadline and p.poll() is None, "no checkpoint and progress past it"
+        time.sleep(0.05)
+    kill9_workers(p.pid)
+    p.communicate(timeout=60)
+    p.wait()
+    ck = resume.newest_complete(rd)
+    lost = len([s for s in _metric_steps(rd) if s > ck.step])
+    assert lost > 0
+
+    time.sleep(1.0)      # a visible gap between the runs
+    second = hpc("run", str(cfg), "--nproc", "2", "--run-dir", str(rd), timeout=300)
+    t_end = time.time()
+    assert second.returncode == 0, show(second)
+
+    rec = json.loads((rd / goodput.FILE).read_text())
+    assert len(rec["segments"]) == 2
+    first, again = rec["segments"]
+    assert first["redone_steps"] == lost, (first, lost)
+    assert first["redone_s"] > 0 and not first["closed"] and again["closed"]
+    assert again["step_from"] == ck.step and again["step_to"] == 400 and again["load_s"] > 0
+    b = goodput.breakdown(rd)
+    assert b["redone_steps"] == lost
+    assert abs(sum(b["parts"].values()) - b["wall_s"]) < 1e-6 * b["wall_s"]
+    outside = t_end - t_first
+    assert abs(b["wall_s"] - outside) <= 0.02 * outside, (b, outside)
+    assert b["parts"]["between runs"] >= 1.0          # the gap, and the kill's own time
+    assert all(v >= 0 for v in b["parts"].values())
+
+    status = hpc("status", str(rd), timeout=60)
+    assert status.returncode == 0, show(status)
+    line = next(x for x in status.stdout.splitlines() if "goodput:" in x)
+    assert "% training" in line and "% redone" in line and "2 runs" in line
+    table = hpc("status", str(rd), "--goodput", timeout=60)
+    assert "steps redone after a restart: %d" % lost in table.stdout, table.stdout
+
+
+def test_a_graceful_stop_redoes_nothing(tmp_path):
+    cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 300}, "checkpoint": {"every_steps": 100}})
+    rd = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "hpc_train", "run", str(cfg), "--nproc", "2", "--run-dir", str(rd)],
+                         cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not ((rd / "metrics.jsonl").exists() and len(_metric_steps(rd)) >= 30):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=120)
+    second = hpc("run", str(cfg), "--nproc", "2", "--run-dir", str(rd), timeout=300)
+    assert second.returncode == 0, show(second)
+    rec = json.loads((rd / goodput.FILE).read_text())
+    assert [s["redone_steps"] for s in rec["segments"]] == [0, 0]
+    assert all(s["closed"] for s in rec["segments"])
+    assert rec["segments"][0]["save_block_s"] > 0       # the stop's save blocked, and is counted
