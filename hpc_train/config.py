@@ -148,6 +148,10 @@ class CheckpointSection:
     keep: int = _f(2, min=2)                     # the newest may still be being written
     keep_skipped: int = _f(3, min=0)             # moved-aside damaged/unfinished copies kept (never deleted sooner)
     async_save: bool = _f(True)
+    # Async saves copy the state on a background thread while the next step's forward and
+    # backward run; the next optimizer.step() waits for the copy. Turn off for code that changes
+    # weights outside optimizer.step() (then the copy is made before step_end returns).
+    overlap_staging: bool = _f(True)
 
 
 @dataclass

@@ -89,6 +89,23 @@ def test_stop_and_resume_is_bitwise_exact(straight, tmp_path, config, stop_at, k
     assert_same_weights(export(rd, tmp_path / "resumed.pt"), straight_weights)
 
 
+def test_an_async_checkpoint_holds_exactly_its_step(straight, tmp_path):
+    """The straight ConvNet run's step-8 was an async save whose copy overlapped step 9's forward and
+    backward (BatchNorm buffers change there; step 9's optimizer.step waited for the copy). Resumed
+    in a new run directory, it must continue exactly as the straight run did: any byte of step 9
+    in it would change every later loss and weight."""
+    cfg, straight_dir, straight_losses, straight_weights = straight("convnet-accum3-workers2")
+    ck = straight_dir / "checkpoints" / "step-8"
+    assert json.loads((ck / "commit.json").read_text())["step"] == 8
+    rd = tmp_path / "run"
+    p = run(cfg, rd, resume=str(ck))
+    assert p.returncode == 0, show(p)
+    assert "step-8: step 8," in p.stderr, show(p)
+    losses = train_losses(rd)
+    assert {s: losses[s] for s in range(9, 13)} == {s: straight_losses[s] for s in range(9, 13)}
+    assert_same_weights(export(rd, tmp_path / "resumed.pt"), straight_weights)
+
+
 def test_retention_keeps_newest_two(straight):
     """checkpoint.keep=2 (with a save every 5 steps over 20 steps): only step-20 and step-15 remain."""
     _, rd, _, _ = straight("mlp-accum1-workers0")
