@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint benchmark: torch {data['torch']}, {args.nproc} gloo ranks, MLP hidden {args.hidden} + Adam: "
           f"state {data['state_bytes'] / mb:.0f} MB, DCP checkpoint on disk {nb / mb:.0f} MB; "
           f"median of {args.repeats} (after 1 warm-up), directory {base.resolve()}")
-    print(f"{"measurement":64} {'median s':>9} {'MB/s':>8}   all runs (s)")
+    print(f"{'measurement':64} {'median s':>9} {'MB/s':>8}   all runs (s)")
     for key, name, has_bytes in ROWS:
         sec = med[key]
         runs = " ".join(f"{x:.3f}" for x in data["results"][key])
