@@ -95,10 +95,12 @@ def _state(st: scheduler.JobState | None, finished: bool) -> str:
     return "FAILED" if state == "COMPLETED" else state   # exit 0 without result.json is no success
 
 
-def task_rows(manifest: dict[str, Any], metric: str = "loss", tail: bool = True) -> list[TaskRow]:
-    """One row per task, from two scheduler calls and each task's files."""
+def task_rows(manifest: dict[str, Any], metric: str = "loss", tail: bool = True,
+              ask_scheduler: bool = True) -> list[TaskRow]:
+    """One row per task, from two scheduler calls (none with ``ask_scheduler=False``: then a
+    task is COMPLETED or UNFINISHED by its files alone) and each task's files."""
     jobs = [t["jobs"][-1] for t in manifest["tasks"] if t.get("jobs")]
-    states = scheduler.query_tasks(jobs)
+    states = scheduler.query_tasks(jobs) if ask_scheduler else {}
     rows = []
     for t in manifest["tasks"]:
         run_dir = Path(t["run_dir"])
@@ -106,8 +108,9 @@ def task_rows(manifest: dict[str, Any], metric: str = "loss", tail: bool = True)
         st = states.get(job)
         finished = (run_dir / RESULT).exists()
         step, value = _latest(run_dir, metric, tail)
+        state = _state(st, finished) if ask_scheduler else ("COMPLETED" if finished else "UNFINISHED")
         rows.append(TaskRow(t["index"], " ".join(f"{k}={v}" for k, v in t["overrides"].items()), str(run_dir),
-                            job, _state(st, finished), step, value, st.restarts if st else 0, finished))
+                            job, state, step, value, st.restarts if st else 0, finished))
     return rows
 
 
@@ -141,7 +144,8 @@ def summary(sweep_dir: Path, metric: str, descending: bool, csv_path: Path | Non
     """Rows sorted by ``metric`` (tasks without a value last); the CSV has one column per override key."""
     manifest = read_manifest(sweep_dir)
     # Whole files here (not a tail): an eval metric may be logged once per epoch, far back.
-    rows = task_rows(manifest, metric, tail=False)
+    # Files only, no scheduler: results stay readable when the cluster has forgotten the jobs.
+    rows = task_rows(manifest, metric, tail=False, ask_scheduler=False)
     sign = -1 if descending else 1
     rows.sort(key=lambda r: (r.value is None or math.isnan(r.value), sign * (r.value or 0.0), r.index))
     keys = list(dict.fromkeys(k for t in manifest["tasks"] for k in t["overrides"]))
