@@ -135,6 +135,10 @@ def test_preempting_one_task_requeues_only_it_and_it_finishes(story, cluster):
                    (d / "requeue.json" for d in run_dirs[1:]) if p.exists())
     assert json.loads((run_dirs[0] / "result.json").read_text())["steps"] == 120
     assert re.search(r"resumed from \S+: step (\d+)", (run_dirs[0] / "logs" / "rank-0.log").read_text())
+    # Tasks 0 and 1 start together and were packed onto one node in every run seen here: no two
+    # tasks ever used the same rendezvous port.
+    ports = [set(re.findall(r"rendezvous \S+:(\d+)", (d / "logs" / "rank-0.log").read_text())) for d in run_dirs]
+    assert all(ports) and all(not ports[i] & ports[j] for i in range(4) for j in range(i + 1, 4)), ports
     row = _rows(story["first_status"].stdout)[0]
     assert row[1] == "COMPLETED" and row[5] == str(len(runs) - 1), story["first_status"].stdout   # restarts
 
@@ -227,3 +231,35 @@ def test_more_points_than_max_array_size_is_refused(slurm, tmp_path):
                                 f"MaxArraySize is {size} (scontrol show config); split the sweep or ask the admins")
     assert not (tmp_path / "sweep").exists()
     assert not slurm.run("squeue", "-h").stdout.strip()
+
+
+SCRIPT = """\
+import json, os, socket
+from pathlib import Path
+import hpc_train
+
+run = hpc_train.init()
+Path(run.run_dir, f"seen-{run.rank}.json").write_text(json.dumps(dict(
+    lr=run.config.optim.lr, world=run.world_size, port=os.environ["MASTER_PORT"], host=socket.gethostname())))
+run.finish({"loss": run.config.optim.lr})
+"""
+
+
+def test_script_sweep_of_two_node_tasks(slurm, tmp_path):
+    """--script: the points reach the script as run.config; each task spans both nodes."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    sweep_dir = tmp_path / "sweep"
+    r = slurm.cli("submit", "--script", script, "--nodes", "2", "--sweep", "optim.lr=0.2,0.1",
+                  "--array-parallelism", "2", "--run-dir", sweep_dir, "--wait", timeout=240)
+    assert r.returncode == 0, r.stderr + r.stdout
+    tasks = json.loads((sweep_dir / "sweep.json").read_text())["tasks"]
+    seen = [[json.loads((Path(t["run_dir"]) / f"seen-{rank}.json").read_text()) for rank in (0, 1)] for t in tasks]
+    assert [[s["lr"] for s in ranks] for ranks in seen] == [[0.2, 0.2], [0.1, 0.1]]
+    assert all(s["world"] == 2 for ranks in seen for s in ranks)
+    assert all({s["host"] for s in ranks} == {"node1", "node2"} for ranks in seen)
+    assert seen[0][0]["port"] != seen[1][0]["port"]        # each task its own rendezvous port
+    st = slurm.cli("status", sweep_dir)
+    assert [row[1] for row in _rows(st.stdout).values()] == ["COMPLETED", "COMPLETED"], st.stdout
+    summ = slurm.cli("sweep", "summary", sweep_dir)
+    assert [int(f[1]) for f in (x.split() for x in summ.stdout.splitlines()) if f and f[0].isdigit()] == [1, 0]
