@@ -100,6 +100,14 @@ def check_resources(job: JobSection) -> None:
                          f"nodes in '{partition}' have {p['cpus']}")
 
 
+
+def max_array_size() -> int | None:
+    """The cluster's MaxArraySize (one ``scontrol show config``): an array of N tasks needs
+    N <= MaxArraySize (indices 0..N-1). None when it cannot be read."""
+    out = _run(["scontrol", "show", "config"])
+    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out.stdout, re.M)
+    return int(m.group(1)) if m else None
+
 def tasks_per_node(job: JobSection) -> int:
     return job.tasks_per_node or max(1, job.gpus_per_node)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import logging
 import re
 import shlex
 import sys
@@ -40,7 +39,6 @@ from hpc_train import requeue, scheduler
 from hpc_train.config import Config, write_atomic
 from hpc_train.errors import UsageError, closest, show
 
-log = logging.getLogger("hpc_train")
 MANIFEST = "sweep.json"
 FILE_KEYS = ("grid", "points", "seeds")
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
@@ -184,13 +182,6 @@ def latest_job(task: dict[str, Any]) -> str | None:
 
 
 # -- submission ----------------------------------------------------------------------------
-def max_array_size() -> int | None:
-    """The cluster's MaxArraySize (one ``scontrol show config``); None when it cannot be read."""
-    out = scheduler._run(["scontrol", "show", "config"])
-    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out.stdout, re.M)
-    return int(m.group(1)) if m else None
-
-
 def _executor(cfg: Config, sweep_dir: Path, map_file: Path, parallelism: int, dry_run: bool = False):
     from hpc_train.submission import make_executor
     ex = make_executor(cfg, sweep_dir, dry_run=dry_run)
@@ -223,7 +214,7 @@ def _submit_array(cfgs: list[Config], sweep_dir: Path, parallelism: int, number:
 
 def _check_cluster(cfg: Config, n: int) -> None:
     scheduler.require_slurm()
-    limit = max_array_size()
+    limit = scheduler.max_array_size()
     if limit is not None and n > limit:
         raise UsageError(f"the sweep has {n} points but this cluster's MaxArraySize is {limit} "
                          f"(scontrol show config); split the sweep or ask the admins")
