@@ -148,3 +148,20 @@ def test_array_tasks_sharing_a_node_get_their_own_port_and_requeue_target():
 def test_manifest_missing_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="not a sweep directory"):
         sweep.read_manifest(tmp_path)
+
+
+def test_a_task_is_completed_only_with_its_result():
+    from hpc_train.scheduler import JobState
+    from hpc_train.sweep_report import TaskRow, _state
+    assert _state(JobState("1_0", "COMPLETED"), finished=False) == "FAILED"   # exit 0, no result.json
+    assert _state(JobState("1_0", "COMPLETED"), finished=True) == "COMPLETED"
+    assert _state(JobState("1_0", "CANCELLED by 0"), finished=False) == "CANCELLED"
+    assert _state(JobState("1_0", "RUNNING"), finished=True) == "RUNNING"     # still writing its last files
+    assert _state(JobState("1_0", "PENDING"), finished=False) == "PENDING"    # requeued: waiting to run again
+    assert _state(None, finished=False) == "UNKNOWN"
+
+    def row(state: str, finished: bool) -> TaskRow:
+        return TaskRow(0, "", "", "1_0", state, None, None, 0, finished)
+    assert [row(s, False).resubmittable for s in ("FAILED", "TIMEOUT", "CANCELLED", "RUNNING", "PENDING")] == [
+        True, True, True, False, False]
+    assert not row("TIMEOUT", True).resubmittable

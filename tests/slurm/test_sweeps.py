@@ -16,6 +16,7 @@ import csv
 import json
 import os
 import re
+import signal
 import time
 from datetime import datetime
 from pathlib import Path
@@ -80,12 +81,13 @@ def story(cluster, tmp_path_factory):
         assert s.returncode == 0, s.stderr
         singles.append(re.search(r"submitted job (\d+)", s.stdout).group(1))
     _wait(lambda: _steps(run_dirs[0]) >= 30, 180, "task 0 to reach step 30")
-    # What a preemption sends to one task, addressed by the task's own job id: `scancel --signal 1_0`
-    # while the array still has pending tasks makes slurmctld answer "Job can not be altered now,
-    # try again later" although it did signal, and scancel then retries until the requeued run
-    # takes a second signal (seen in slurmctld.log, Slurm 22.05).
-    own_id = c.run("squeue", "-h", "-j", tasks[0], "-o", "%A", check=True).stdout.strip()
-    c.run("scancel", "--signal=USR2", own_id, check=True)
+    # What a preemption sends to one task's step (preempt_send_user_signal + --signal=USR2), sent
+    # to that task's process itself. Not `scancel --signal=USR2 1_0`: while the array still has
+    # pending tasks, slurmctld signals the task but answers "Job can not be altered now, try again
+    # later", and scancel retries every few seconds until the requeued run takes a second signal
+    # (slurmctld.log, Slurm 22.05; the same with the task's own job id).
+    line = next(x for x in (run_dirs[0] / "logs" / "rank-0.log").read_text().splitlines() if "on-node" in x)
+    os.kill(int(re.search(r"pid (\d+)", line).group(1)), signal.SIGUSR2)
     _wait(lambda: _ended(c, tasks + singles), 300, "the array and the single jobs to end")
     first_status = c.cli("status", sweep_dir)
     marker.unlink()
