@@ -74,20 +74,31 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "submit":
             p.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
             p.add_argument("--wait", action="store_true", help="block until the job ends; exit code follows it")
-            p.add_argument("--sweep", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
-                           help="one array task per value (repeatable: the cartesian product); each task "
-                                "gets RUN_DIR/task-I")
+            p.add_argument("--sweep", action="append", default=[], metavar="SWEEP.yaml|SECTION.KEY=V1,V2,...",
+                           help="one array job, one task per point: a sweep file (grid:, points:, seeds:) or "
+                                "key=values items (repeatable: the cartesian product); --run-dir names the "
+                                "sweep directory, each task gets its own run directory in it")
             p.add_argument("--array-parallelism", type=int, default=256, help="array tasks running at once")
+            p.add_argument("--resubmit-failed", metavar="SWEEP_DIR", default=None,
+                           help="resubmit the tasks of a sweep that failed, were cancelled or timed out "
+                                "unfinished; they resume from their last checkpoint")
             _add_resume_arg(p)
         else:
             p.add_argument("-o", "--output", help="write the script here instead of stdout")
             p.add_argument("--launcher", choices=("srun", "torchrun"), default="srun",
                            help="srun: one task per GPU/CPU slot (default); torchrun: one torchrun per node")
 
-    p = sub.add_parser("status", help="state, nodes, restarts, last step and loss of a run or job")
-    p.add_argument("target", nargs="?", default=None, help="RUN_DIR or JOB_ID (default: runs/*)")
+    p = sub.add_parser("status", help="state, nodes, restarts, last step and loss of a run, job or sweep")
+    p.add_argument("target", nargs="?", default=None, help="RUN_DIR, SWEEP_DIR or JOB_ID (default: runs/*)")
     p.add_argument("--goodput", action="store_true",
                    help="where the wall time since the first submit went, as a table (goodput.json)")
+    p = sub.add_parser("sweep", help="results of a sweep")
+    sw = p.add_subparsers(dest="sweep_command", metavar="ACTION", parser_class=_Parser, required=True)
+    s = sw.add_parser("summary", help="every task's metric, sorted, on the console and as CSV")
+    s.add_argument("sweep_dir")
+    s.add_argument("--metric", default="loss", help="result.json's value, else the last logged one (default: loss)")
+    s.add_argument("--descending", action="store_true", help="highest first (for accuracies)")
+    s.add_argument("--csv", metavar="PATH", help="where the CSV goes (default: SWEEP_DIR/summary.csv)")
     p = sub.add_parser("logs", help="show (or follow) a run's per-rank log")
     p.add_argument("target", help="RUN_DIR or JOB_ID")
     p.add_argument("--rank", type=int, default=0)
@@ -258,7 +269,8 @@ def _lazy(target: str):
 COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_worker,
             "submit": _lazy("hpc_train.submission:cmd_submit"), "sbatch": _lazy("hpc_train.sbatch:cmd_sbatch"),
             "status": _lazy("hpc_train.jobs:cmd_status"), "logs": _lazy("hpc_train.jobs:cmd_logs"),
-            "cancel": _lazy("hpc_train.jobs:cmd_cancel"), "ckpt": _lazy("hpc_train.ckpt_cli:cmd_ckpt"),
+            "cancel": _lazy("hpc_train.jobs:cmd_cancel"),
+            "sweep": _lazy("hpc_train.sweep_report:cmd_sweep"), "ckpt": _lazy("hpc_train.ckpt_cli:cmd_ckpt"),
             "requeue-hook": _lazy("hpc_train.requeue:cmd_requeue_hook")}
 
 

@@ -48,6 +48,10 @@ def _budget_line(run_dir: Path) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from hpc_train import sweep
+    if args.target is not None and sweep.is_sweep(Path(args.target)):
+        from hpc_train.sweep_report import print_status
+        return print_status(Path(args.target))
     pairs = _resolve(args.target)
     states = scheduler.query([j for _, ids in pairs for j in ids]) if any(ids for _, ids in pairs) else {}
     for run_dir, ids in pairs:

@@ -100,6 +100,14 @@ def check_resources(job: JobSection) -> None:
                          f"nodes in '{partition}' have {p['cpus']}")
 
 
+
+def max_array_size() -> int | None:
+    """The cluster's MaxArraySize (one ``scontrol show config``): an array of N tasks needs
+    N <= MaxArraySize (indices 0..N-1). None when it cannot be read."""
+    out = _run(["scontrol", "show", "config"])
+    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out.stdout, re.M)
+    return int(m.group(1)) if m else None
+
 def tasks_per_node(job: JobSection) -> int:
     return job.tasks_per_node or max(1, job.gpus_per_node)
 
@@ -163,6 +171,34 @@ def query(ids: list[str]) -> dict[str, JobState]:
                 out[jid] = JobState(jid, last[1], last[2], last[3], restarts=len(rows) - 1, exit_code=last[4])
     return out
 
+
+
+def query_tasks(ids: list[str]) -> dict[str, JobState]:
+    """States of array tasks (``A_I``) and plain jobs, keyed by those ids, in exactly two calls
+    whatever their number: ``squeue -r`` and ``sacct`` over the array (base) ids. Asking for
+    ``A`` rather than 100 ``A_I`` keeps the RPC small; ``-r`` lists pending tasks one per line."""
+    bases = list(dict.fromkeys(i.split("_")[0] for i in ids if i))
+    out: dict[str, JobState] = {}
+    if not bases:
+        return out
+    sq = _run(["squeue", "-h", "-r", "-j", ",".join(bases), "-o", "%i|%T|%N|%M|%r"])
+    for line in sq.stdout.splitlines():
+        jid, state, nodes, elapsed, reason = (line.split("|") + [""] * 5)[:5]
+        out[jid] = JobState(jid, state, nodes, elapsed, reason=reason)
+    sa = _run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", ",".join(bases),
+               "-o", "JobID,State,NodeList,Elapsed,ExitCode"])
+    runs: dict[str, list[list[str]]] = {}
+    for line in sa.stdout.splitlines():
+        f = line.split("|")
+        if len(f) >= 5 and "[" not in f[0]:   # "A_[4-99%2]": tasks not started yet (squeue has them)
+            runs.setdefault(f[0], []).append(f)
+    for jid, rows in runs.items():
+        if jid in out:
+            out[jid].restarts = len(rows) - 1
+        else:
+            last = rows[-1]
+            out[jid] = JobState(jid, last[1], last[2], last[3], restarts=len(rows) - 1, exit_code=last[4])
+    return {i: out[i] for i in ids if i in out}
 
 def wait(ids: list[str], on_change=None, max_delay: float = 30.0) -> dict[str, JobState]:
     """Block until every job is final; the poll interval doubles from 1 s up to ``max_delay``."""

@@ -167,63 +167,21 @@ def _refuse_active_job(rd: Path) -> None:
                          f"(python -m hpc_train cancel {rd}), or use another --run-dir")
 
 
-def expand_sweep(items: list[str]) -> list[list[str]]:
-    """``["optim.lr=0.1,0.01", "seed=0,1"]`` -> one ``--set`` list per point of the product."""
-    import itertools
-
-    axes = []
-    for item in items:
-        key, sep, values = item.partition("=")
-        if not sep or not key or not values:
-            raise UsageError(f"--sweep expects section.key=v1,v2,... (e.g. optim.lr=0.1,0.01), got {item!r}")
-        axes.append([f"{key}={v}" for v in values.split(",")])
-    return [list(point) for point in itertools.product(*axes)]
-
-
-def submit_sweep(args: argparse.Namespace, cfg: Config, rd: Path) -> int:
-    """An array job: one task per sweep point, each with its own run directory."""
-    from hpc_train import config as config_mod
-    from hpc_train.cli import _load
-
-    scheduler.require_slurm()
-    scheduler.check_resources(cfg.job)
-    points = expand_sweep(args.sweep)
-    configs = []
-    for i, point in enumerate(points):
-        args_i = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *point]})
-        c = _load(args_i)
-        c.run_dir = str(rd / f"task-{i}")
-        configs.append(c)
-    ex = make_executor(cfg, rd)
-    # Each array task's hook must look at that task's run directory.
-    ex.update_parameters(array_parallelism=args.array_parallelism, teardown=[
-        "status=$?", f'RUN_DIR={shlex.quote(str(rd))}/task-"$SLURM_ARRAY_TASK_ID"',
-        *requeue.after_srun_lines(shlex.quote(sys.executable)), 'exit "$status"'])
-    with ex.batch():
-        jobs = []
-        for c in configs:
-            Path(c.run_dir).mkdir(parents=True, exist_ok=True)
-            config_mod.write(c, Path(c.run_dir))
-            jobs.append(ex.submit(SlurmEntry(c.to_dict(), c.run_dir)))
-    for c, point, job in zip(configs, points, jobs):
-        scheduler.record_job(Path(c.run_dir), str(job.job_id), "submitit-array", sweep=point)
-        print(f"submitted array task {job.job_id}: {' '.join(point)} -> {c.run_dir}")
-    if args.wait:
-        states = scheduler.wait([str(j.job_id) for j in jobs])
-        bad = [k for k, v in states.items() if v.state != "COMPLETED"]
-        print(f"array ended: {len(jobs) - len(bad)} of {len(jobs)} tasks COMPLETED")
-        return 1 if bad else 0
-    return 0
-
-
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpc_train.cli import _load, check_plugins_light
+    if args.resubmit_failed:
+        if args.sweep or args.config or args.script or args.fn or args.overrides:
+            raise UsageError("--resubmit-failed SWEEP_DIR takes no config, --set or --sweep: each task runs "
+                             "again with the config in its run directory")
+        from hpc_train import sweep
+        return sweep.resubmit_failed(args)
     cfg = _load(args)
     check_plugins_light(cfg)
     rd = cfg.resolved_run_dir().absolute()
     cfg.run_dir = str(rd)
-    if args.sweep and not args.dry_run:
-        return submit_sweep(args, cfg, rd)
+    if args.sweep:
+        from hpc_train import sweep
+        return sweep.submit(args, cfg, rd)
     if args.dry_run:
         from hpc_train.rundir import check_path
         check_path(rd, "the run directory")

@@ -11,6 +11,8 @@ Environment knobs (inherited by the workers from the test that starts ``run``):
     a builder that runs writes ``<builder>-rank<R>`` there, proving every rank used it.
 ``HPC_TEST_SLOW_S``
     :func:`slow_data` sleeps this long per training sample (a job slow enough to interrupt).
+``HPC_TEST_FAIL_MARKER``, ``HPC_TEST_FAIL_RUN``, ``HPC_TEST_FAIL_AT_STEP``
+    :func:`fail_while_marked` fails at that step in that run directory while the marker exists.
 """
 
 from __future__ import annotations
@@ -34,6 +36,29 @@ def tiny_model(cfg):
 
     _mark("tiny_model")
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def fail_while_marked(cfg):
+    """:func:`tiny_model`, except that its forward raises at training step ``HPC_TEST_FAIL_AT_STEP``
+    while the file named by ``HPC_TEST_FAIL_MARKER`` exists, in the run directory ending with
+    ``HPC_TEST_FAIL_RUN``: a task that dies mid-run for a reason outside its config (a file gone
+    missing, a bad node), which resubmitting after the fix cures. One rank, no grad_accum."""
+    model = tiny_model(cfg)
+    marker, which = os.environ.get("HPC_TEST_FAIL_MARKER"), os.environ.get("HPC_TEST_FAIL_RUN")
+    if not (marker and which):
+        return model
+    import hpc_train
+    if not str(hpc_train.init().run_dir).endswith(which):
+        return model
+    at, seen = int(os.environ.get("HPC_TEST_FAIL_AT_STEP", "1")), {"n": 0}
+
+    def hook(module, inputs):
+        if module.training:
+            seen["n"] += 1
+            if seen["n"] >= at and Path(marker).exists():
+                raise RuntimeError(f"test failure: {marker} exists")
+    model.register_forward_pre_hook(hook)
+    return model
 
 
 def _tensors(n: int, seed: int):

@@ -63,6 +63,10 @@ COMMANDS = {
     "ckpt list --help": (["ckpt", "list", "--help"], 0),
     "ckpt list RUN_DIR": (["ckpt", "list", "{ckpt_run_dir}"], 0),
     "ckpt list /nonexistent": (["ckpt", "list", "/nonexistent/run"], 2),
+    "sweep summary --help": (["sweep", "summary", "--help"], 0),
+    "submit --sweep --dry-run": (["submit", "jobs/digits.yaml", "--sweep", "optim.lr=0.1,0.2", "--dry-run",
+                                  "--run-dir", "{ckpt_run_dir}/sweep"], 0),
+    "sweep summary (not a sweep)": (["sweep", "summary", "{ckpt_run_dir}"], 2),
 }
 
 

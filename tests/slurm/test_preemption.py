@@ -155,17 +155,18 @@ def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
     assert r.returncode == 0, r.stderr
     tasks = re.findall(r"submitted array task (\S+):", r.stdout)
     assert len(tasks) == 2 and all("_" in t for t in tasks), r.stdout
+    task_dirs = [Path(d) for d in re.findall(r" -> (.+)$", r.stdout, re.M)]
     for t in tasks:
         slurm.wait_state(t, {"RUNNING"}, 120)
-    _wait_steps(run_dir / "task-0", 100, 120)
+    _wait_steps(task_dirs[0], 100, 120)
     slurm.run("scancel", "--signal=USR2", tasks[0], check=True)   # what a preemption sends to one task
     for t in tasks:
         assert slurm.wait_done(t, 400) == "COMPLETED"
     assert len(slurm.sacct(tasks[0])) == 2
     assert len(slurm.sacct(tasks[1])) == 1
-    ev = json.loads((run_dir / "task-0" / "requeue.json").read_text())["events"]
+    ev = json.loads((task_dirs[0] / "requeue.json").read_text())["events"]
     assert ev[0]["key"].startswith(tasks[0] + ":"), ev
-    assert not (run_dir / "task-1" / "requeue.json").exists()
+    assert not (task_dirs[1] / "requeue.json").exists()
 
 
 def test_killed_rank_ends_the_job_and_failure_budget_resumes_it(slurm, tmp_path):
