@@ -100,6 +100,12 @@ class Trainer:
         shard = torch.utils.data.Subset(test_ds, range(run.rank, len(test_ds), run.world_size))
         self.test_loader = DataLoader(shard, batch_size=d.eval_batch_size, shuffle=False,
                                       generator=torch.Generator().manual_seed(0))
+        # fsdp all-gathers parameters in every forward, so every rank must run as many eval
+        # forwards as rank 0 (the largest shard), or one waits forever: the others pad with
+        # empty batches. (Shards differ by one sample: e.g. 513 samples, 2 ranks, batch 256.)
+        most = -(-len(range(0, len(test_ds), run.world_size)) // d.eval_batch_size)
+        self.eval_pad = most - len(self.test_loader) if cfg.dist.strategy == "fsdp" else 0
+        self.eval_shape = tuple(test_ds[0][0].shape) if self.eval_pad else ()
         t = cfg.train
         self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
         run.total_steps = self.total_steps
@@ -232,6 +238,8 @@ class Trainer:
             stats += torch.stack([nn.functional.cross_entropy(out, y, reduction="sum").double(),
                                   (out.argmax(1) == y).sum().double(),
                                   torch.tensor(float(y.numel()), device=self.device).double()])
+        for _ in range(self.eval_pad):
+            self.eval_net(torch.zeros((0, *self.eval_shape), device=self.device))
         if self.run.world_size > 1 and dist.is_initialized():
             dist.all_reduce(stats)
         self.net.train()
