@@ -459,8 +459,8 @@ def validate(cfg: Config) -> Config:
     time_minutes(cfg.job.time)   # a malformed job.time fails here, not at submission
     from hpc_train import precision, strategies
     cfg.train.precision = precision.resolve(cfg.train.precision, cfg.train.opt_level)
-    if cfg.job.tasks_per_node > 1:
-        strategies.check_launch(cfg.dist.strategy, cfg.job.tasks_per_node)
+    # Slurm's processes per node (job.tasks_per_node 0: one per GPU); `run` checks its --nproc.
+    strategies.check_launch(cfg.dist.strategy, cfg.job.tasks_per_node or max(1, cfg.job.gpus_per_node))
     if cfg.dist.strategy == "fsdp" and cfg.train.precision == "fp16":
         # GradScaler's inf/NaN check looks at local gradients: with sharded gradients one rank
         # could skip a step the others take. bf16 needs no scaler.

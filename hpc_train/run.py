@@ -69,7 +69,6 @@ class Run:
         self.is_main: bool = env.rank == 0
         self._multi = dist.is_initialized() and env.world_size > 1
         self._agreement = Agreement(self._multi, self._flags)
-        self._watched: nn.Module | None = None
         self._wrapped = None     # strategies.Wrapped, once wrap() ran
         self._replicated: nn.Module | None = None
         self._scaler: torch.amp.GradScaler | None = None
@@ -101,7 +100,7 @@ class Run:
         from torch.nn.parallel import DistributedDataParallel as DDP
         if isinstance(ddp, DDP):
             self._agreement.attach(ddp)
-            self._watched = ddp
+            self._replicated = ddp.module
         return ddp
 
     def wrap(self, model: nn.Module, stages: Sequence[nn.Module] | None = None) -> nn.Module:
@@ -116,9 +115,6 @@ class Run:
                                         agreement=self._agreement, stages=stages)
         # Its buffers are replicas (every strategy but none): rank 0's are synced before saves.
         self._replicated = model if self.config.dist.strategy != "none" else None
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        if isinstance(self._wrapped.net, DDP):
-            self._watched = self._wrapped.net
         return self._wrapped.net
 
     def no_sync(self):

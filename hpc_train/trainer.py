@@ -1,13 +1,15 @@
 """The built-in loop: the tutorials' models on digits/MNIST, as one client of :class:`hpc_train.Run`.
 
-It holds a ``Run`` like any user's loop: ``run.wrap`` applies ``dist.strategy`` (DDP by default), ``run.loader`` shards the data,
-``run.restore`` / ``run.step_end`` / ``run.finish`` checkpoint, stop and finish. Its state is a
-mapping of state objects, which is all the checkpointer sees.
+It holds a ``Run`` like any user's loop: ``run.wrap`` applies ``dist.strategy`` (DDP by default),
+``run.loader`` shards the data, ``run.restore`` / ``run.step_end`` / ``run.finish`` checkpoint, stop
+and finish. Its state is a mapping of state objects, which is all the checkpointer sees.
 
 One optimizer step is ``optim.grad_accum`` micro-batches; accumulation micro-batches run under
-``run.no_sync()`` so the strategy skips their gradient averaging. The step's metrics (loss sum, correct, count) are
-summed over ranks with the step's agreement, on the gradient all-reduce: logging costs no
-collective and no host sync beyond the one ``step_end`` makes anyway.
+``run.no_sync()`` so the strategy skips their gradient averaging. The step's metrics (loss sum,
+correct, count) are summed over ranks with the step's agreement, on the gradient all-reduce
+(``ddp``, ``allreduce``, ``split``; one small extra all-reduce under ``fsdp``): logging costs no
+collective and no host sync beyond the one ``step_end`` makes anyway. ``train.precision``: the
+forward runs under ``run.autocast()``, and the backward and step go through ``run.scaler``.
 """
 
 from __future__ import annotations

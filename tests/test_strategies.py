@@ -225,6 +225,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, straight):
               "dist.strategy=dp", "2 processes per node", "use dist.strategy=ddp")
     _one_line(hpc("submit", job, "--set", "dist.strategy=dp", "--set", "job.tasks_per_node=4", "--dry-run"),
               "dist.strategy=dp", "4 processes per node")
+    _one_line(hpc("submit", job, "--set", "dist.strategy=dp", "--set", "job.gpus_per_node=8", "--dry-run"),
+              "dist.strategy=dp", "8 processes per node", "job.tasks_per_node=1")
+    assert hpc("submit", job, "--set", "dist.strategy=dp", "--set", "job.gpus_per_node=8", "--set",
+               "job.tasks_per_node=1", "--dry-run").returncode == 0
     _one_line(hpc("run", job, "--set", "train.opt_level=O1", "--set", "train.precision=bf16", "--run-dir", rd),
               "train.opt_level=O1 means train.precision=fp16")
     _one_line(hpc("run", job, "--set", "dist.strategy=fsdp", "--set", "train.precision=fp16", "--run-dir", rd),
