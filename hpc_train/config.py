@@ -141,7 +141,7 @@ class TrainSection:
     script: str = _f("")                         # a script run on every task instead (python SCRIPT ARGS)
     args: list = _f([])                          # the script's arguments
     precision: str = _f("fp32", choices=("fp32", "bf16", "fp16"))   # autocast dtype; fp16 adds a GradScaler
-    opt_level: str = _f("", choices=("", "O0", "O1", "O2"))   # Apex's names: O0=fp32, O1/O2=fp16 (precision.py)
+    opt_level: str = _f("none", choices=("none", "O0", "O1", "O2"))   # Apex's names: O0=fp32, O1/O2=fp16 (precision.py)
 
 
 @dataclass
@@ -520,7 +520,8 @@ def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list
             else:
                 out[f"{prefix}{k}"] = v
         return out
-    before, after = flat(old), flat(new.to_dict())
+    # A key the old config lacks (a field added since it was written) had its default then.
+    before, after = {**flat(Config().to_dict()), **flat(old)}, flat(new.to_dict())
     refused, applied = [], []
     for key in sorted(set(before) | set(after)):
         if before.get(key) == after.get(key) or key.startswith(_FREE_ON_RESUME):

@@ -43,7 +43,7 @@ OPT_LEVELS = {"O0": "fp32", "O1": "fp16", "O2": "fp16"}
 
 def resolve(precision: str, opt_level: str) -> str:
     """The precision ``train.precision`` and ``train.opt_level`` name together (torch-free)."""
-    if not opt_level:
+    if opt_level == "none":
         return precision
     mapped = OPT_LEVELS[opt_level]
     if precision != "fp32" and precision != mapped:
