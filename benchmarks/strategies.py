@@ -10,7 +10,8 @@ checkpoints off. Only ``dist.strategy`` / ``train.precision`` differ.
 
 * **samples/s**: rank 0 stamps the end of every step (hpc_train's ``metrics.jsonl``); the rate is
   global samples over the window from the end of step ``warmup`` to the last step (start-up and
-  imports are outside it), as in benchmarks/overhead.py.
+  imports are outside it), and, robust to neighbours on a shared machine, the rate of the median
+  step; as in benchmarks/overhead.py.
 * **peak memory per rank**: ``ru_maxrss`` of ``getrusage(RUSAGE_CHILDREN)`` in a fresh wrapper
   process per run. Linux folds every waited-for descendant into it, so it is the peak resident
   set of the largest process of the run: a rank (the launcher is far smaller). It includes the
@@ -77,6 +78,13 @@ def steady_rate(stamps: list[float], warmup: int) -> float:
     return (len(stamps) - warmup) * BATCH * WORLD / (stamps[-1] - stamps[warmup - 1])
 
 
+def typical_rate(stamps: list[float], warmup: int) -> float:
+    """Global samples/s of the median step after warm-up: robust to a neighbour taking the CPU
+    for a moment on a shared machine (what benchmarks/overhead.py calls the median step)."""
+    periods = [b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:])]
+    return BATCH * WORLD / statistics.median(periods)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions of each variant (default 5)")
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{WORLD} ranks (gloo, 1 thread/rank), Adam, checkpoints off; {args.steps} steps per run, rate over steps "
           f"{args.warmup + 1}-{args.steps}; {args.reps} interleaved repetitions", flush=True)
     rates: dict[str, list[float]] = {k: [] for k in keys}
+    typical: dict[str, list[float]] = {k: [] for k in keys}
     rss: dict[str, list[float]] = {k: [] for k in keys}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="hpc_train-strategies-") as tmp:
@@ -101,20 +110,24 @@ def main(argv: list[str] | None = None) -> int:
             for key in keys:
                 stamps, peak = run_variant(VARIANTS[key][1], args.steps, args.hidden, Path(tmp), f"{key}-{rep}")
                 rates[key].append(steady_rate(stamps, args.warmup))
+                typical[key].append(typical_rate(stamps, args.warmup))
                 rss[key].append(peak)
-                print(f"  rep {rep + 1}: {VARIANTS[key][0]:36s} {rates[key][-1]:8.1f} samples/s  "
-                      f"peak {peak:7.1f} MiB", flush=True)
+                print(f"  rep {rep + 1}: {VARIANTS[key][0]:36s} {rates[key][-1]:8.1f} samples/s (median step "
+                      f"{typical[key][-1]:8.1f})  peak {peak:7.1f} MiB", flush=True)
     med_rate = {k: statistics.median(v) for k, v in rates.items()}
+    med_typ = {k: statistics.median(v) for k, v in typical.items()}
     med_rss = {k: statistics.median(v) for k, v in rss.items()}
     width = max(len(VARIANTS[k][0]) for k in keys)
-    print(f"\n{'variant':{width}s}  {'samples/s':>10s} {'vs ddp':>7s}  {'peak MiB/rank':>13s} {'vs ddp':>8s}")
+    print(f"\n{'variant':{width}s}  {'samples/s':>10s} {'vs ddp':>7s}  {'median step':>11s} {'vs ddp':>7s}  "
+          f"{'peak MiB/rank':>13s} {'vs ddp':>8s}")
     for k in keys:
         print(f"{VARIANTS[k][0]:{width}s}  {med_rate[k]:10.1f} {med_rate[k] / med_rate['ddp']:7.3f}  "
+              f"{med_typ[k]:11.1f} {med_typ[k] / med_typ['ddp']:7.3f}  "
               f"{med_rss[k]:13.1f} {med_rss[k] - med_rss['ddp']:+8.1f}")
     print(f"(medians of {args.reps}; peak = ru_maxrss of the largest process of the run; total "
           f"{time.time() - t0:.0f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rates": rates, "peak_mib": rss, "steps": args.steps,
+        Path(args.json).write_text(json.dumps({"rates": rates, "median_step": typical, "peak_mib": rss, "steps": args.steps,
                                                "warmup": args.warmup, "hidden": args.hidden}, indent=2))
     return 0
 
