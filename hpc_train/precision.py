@@ -79,6 +79,8 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     dt = dtype(precision)
     if dt is None:
         return contextlib.nullcontext()
+    # Again here: under submit/torchrun no launcher on this node has checked this device.
+    check(precision, device.type, device.type == "cuda" and torch.cuda.is_bf16_supported())
     return torch.autocast(device.type, dtype=dt)
 
 

@@ -27,6 +27,7 @@ Code that never calls ``step_end`` is ended by the stop instead (see
 from __future__ import annotations
 
 import logging
+import contextlib
 import math
 import os
 import sys
@@ -117,13 +118,12 @@ class Run:
         self._replicated = model if self.config.dist.strategy != "none" else None
         return self._wrapped.net
 
-    def no_sync(self):
+    def no_sync(self) -> contextlib.AbstractContextManager:
         """A context for the micro-batches of a gradient-accumulation cycle but the last: the
         wrapped model skips the gradient averaging (DDP's ``no_sync`` for every strategy)."""
-        import contextlib
         return self._wrapped.no_sync() if self._wrapped is not None else contextlib.nullcontext()
 
-    def autocast(self):
+    def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's autocast context for ``train.precision`` (a no-op for fp32)."""
         from hpc_train import precision
         return precision.autocast(self.config.train.precision, self.device)
