@@ -65,6 +65,20 @@ def test_allreduce_and_split_equal_ddp_bitwise(straight, strategy):
     assert_same_weights(weights, ddp_weights)
 
 
+def test_accumulation_skips_the_averaging_under_every_strategy(tmp_path):
+    """3 micro-batches per step: allreduce (its no_sync) is bitwise ddp (no_sync), fsdp
+    (set_requires_gradient_sync) within the tolerance."""
+    out = {}
+    for strategy in ("ddp", "allreduce", "fsdp"):
+        cfg = write_config(tmp_path / f"{strategy}.yaml", _over(strategy, optim={"grad_accum": 3},
+                                                                train={"max_steps": 4}))
+        p = run(cfg, tmp_path / strategy)
+        assert p.returncode == 0, show(p)
+        out[strategy] = export(tmp_path / strategy, tmp_path / f"{strategy}.pt")
+    assert_same_weights(out["allreduce"], out["ddp"])
+    assert max((out["fsdp"][k] - out["ddp"][k]).abs().max().item() for k in out["ddp"]) <= FSDP_ATOL
+
+
 def test_fsdp_matches_ddp_within_tolerance(straight):
     _, _, ddp_losses, ddp_weights = straight("ddp")
     _, _, losses, weights = straight("fsdp")
