@@ -126,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{med_rss[k]:13.1f} {med_rss[k] - med_rss['ddp']:+8.1f}")
     print(f"(medians of {args.reps}; peak = ru_maxrss of the largest process of the run; total "
           f"{time.time() - t0:.0f} s)")
+    # Paired: each repetition's rate over the ddp run next to it, then the median. A shared
+    # machine's speed drifts within a benchmark (2x here); a pair shares the same moment.
+    print("\npaired ratio vs ddp (median over repetitions of rate / that repetition's ddp rate):")
+    for k in keys[1:]:
+        pairs = [r / d for r, d in zip(rates[k], rates["ddp"])]
+        print(f"  {VARIANTS[k][0]:{width}s}  {statistics.median(pairs):6.3f}   "
+              f"(per rep: {' '.join(f'{x:.2f}' for x in pairs)})")
     if args.json:
         Path(args.json).write_text(json.dumps({"rates": rates, "median_step": typical, "peak_mib": rss, "steps": args.steps,
                                                "warmup": args.warmup, "hidden": args.hidden}, indent=2))
