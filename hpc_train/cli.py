@@ -216,6 +216,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
     check_plugins(cfg)
     check_backend(cfg)
+    from hpc_train import precision, strategies
+    strategies.check_launch(cfg.dist.strategy, args.nproc)   # run: every process is on this node
+    precision.check_here(cfg.train.precision, cfg.dist.backend)
     port = launch.rendezvous_port()   # a bad MASTER_PORT fails here, before anything is written
     run_dir = cfg.resolved_run_dir().absolute()
     cfg.run_dir = str(run_dir)

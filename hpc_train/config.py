@@ -89,7 +89,9 @@ class JobSection:
 @dataclass
 class DistSection:
     backend: str = _f("auto", choices=("auto", "nccl", "gloo"))
-    strategy: str = _f("ddp", choices=("ddp", "none"))
+    # ddp, fsdp (sharded), dp (nn.DataParallel, 1 process/node), allreduce (no wrapper), split (stages on
+    # successive devices), none: see hpc_train/strategies.py
+    strategy: str = _f("ddp", choices=("ddp", "fsdp", "dp", "allreduce", "split", "none"))
     # At most a week: the value becomes a timedelta (overflows near 1e14 s) and a C++ timeout in ms.
     init_timeout_s: float = _f(300.0, min=1, max=_WEEK)   # rendezvous and first collective
     timeout_s: float = _f(600.0, min=1, max=_WEEK)        # every later collective (a dead rank fails the job)
@@ -138,6 +140,8 @@ class TrainSection:
     fn: str = _f("")                             # "pkg.mod:fn" replaces the built-in trainer
     script: str = _f("")                         # a script run on every task instead (python SCRIPT ARGS)
     args: list = _f([])                          # the script's arguments
+    precision: str = _f("fp32", choices=("fp32", "bf16", "fp16"))   # autocast dtype; fp16 adds a GradScaler
+    opt_level: str = _f("none", choices=("none", "O0", "O1", "O2"))   # Apex's names: O0=fp32, O1/O2=fp16 (precision.py)
 
 
 @dataclass
@@ -457,6 +461,16 @@ def validate(cfg: Config) -> Config:
                          "set train.epochs >= 1 or train.max_steps >= 1")
     from hpc_train.scheduler import time_minutes
     time_minutes(cfg.job.time)   # a malformed job.time fails here, not at submission
+    from hpc_train import precision, strategies
+    cfg.train.precision = precision.resolve(cfg.train.precision, cfg.train.opt_level)
+    # Slurm's processes per node (job.tasks_per_node 0: one per GPU); `run` checks its --nproc.
+    strategies.check_launch(cfg.dist.strategy, cfg.job.tasks_per_node or max(1, cfg.job.gpus_per_node))
+    if cfg.dist.strategy == "fsdp" and cfg.train.precision == "fp16":
+        # GradScaler's inf/NaN check looks at local gradients: with sharded gradients one rank
+        # could skip a step the others take. bf16 needs no scaler.
+        raise UsageError("config: dist.strategy=fsdp with train.precision=fp16 is refused: the GradScaler's "
+                         "overflow check sees only this rank's gradient shards, so ranks could disagree on "
+                         "skipping a step; use train.precision=bf16 with fsdp")
     if cfg.train.fn and not _IMPORT_RE.match(cfg.train.fn):
         raise UsageError(f"config: train.fn must be an import path 'package.module:function', got {cfg.train.fn!r}")
     return cfg
@@ -487,6 +501,7 @@ def write(cfg: Config, run_dir: Path) -> Path:
 # Resuming with a changed config. These cannot apply to a saved state: the weights or the
 # optimizer state would not fit, or the code that trains is another one.
 _FIXED_ON_RESUME = ("model.name", "model.hidden", "optim.name", "dist.strategy", "train.fn", "train.script",
+                    "train.precision",   # fp16 adds the scaler's state; opt_level is written as precision
                     "data.name", "data.batch_size")   # (the data: a loader resumes mid-epoch by position)
 # These describe where and how the job runs, not what it learns: they change freely.
 _FREE_ON_RESUME = ("job.", "run_dir", "log.", "dist.backend", "dist.timeout_s", "dist.init_timeout_s",
@@ -509,7 +524,8 @@ def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list
             else:
                 out[f"{prefix}{k}"] = v
         return out
-    before, after = flat(old), flat(new.to_dict())
+    # A key the old config lacks (a field added since it was written) had its default then.
+    before, after = {**flat(Config().to_dict()), **flat(old)}, flat(new.to_dict())
     refused, applied = [], []
     for key in sorted(set(before) | set(after)):
         if before.get(key) == after.get(key) or key.startswith(_FREE_ON_RESUME):

@@ -42,7 +42,7 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
-def bind_device(env: NodeEnv, backend: str, threads_per_rank: int) -> torch.device:
+def bind_device(env: NodeEnv, backend: str, threads_per_rank: int, strategy: str = "ddp") -> torch.device:
     if threads_per_rank > 0:
         # 2 ranks with 2 threads each on 2 cores ran 1.6x slower than 1 thread each (measured).
         torch.set_num_threads(threads_per_rank)
@@ -51,8 +51,13 @@ def bind_device(env: NodeEnv, backend: str, threads_per_rank: int) -> torch.devi
         if env.local_rank >= count:
             raise RendezvousError(f"local rank {env.local_rank} has no GPU: this node shows {count} "
                                   f"(ask for --gpus-per-node equal to --tasks-per-node)")
-        torch.cuda.set_device(env.local_rank)
-        return torch.device("cuda", env.local_rank)
+        index = env.local_rank
+        if strategy == "split":
+            # Each process owns a block of the node's GPUs for its stages; it binds the first.
+            from hpc_train.strategies import split_base_device
+            index = split_base_device(count, env.local_rank, env.local_world_size)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -82,7 +87,7 @@ def _store(env: NodeEnv, timeout: timedelta) -> dist.Store:
 def init(env: NodeEnv, cfg: DistSection) -> torch.device:
     """Join the job's process group and check it with one small all-reduce."""
     backend = choose_backend(cfg.backend)
-    device = bind_device(env, backend, cfg.threads_per_rank)
+    device = bind_device(env, backend, cfg.threads_per_rank, cfg.strategy)
     # The store also carries sub-group rendezvous (the checkpoint group), so it is kept alive.
     init_timeout = timedelta(seconds=cfg.init_timeout_s)
     store = _store(env, init_timeout)

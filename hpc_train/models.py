@@ -24,6 +24,10 @@ class ConvNet(nn.Module):
     def forward(self, x):
         return self.fc(self.dropout(self.features(x).flatten(1)))
 
+    def stages(self) -> list[nn.Module]:
+        """For dist.strategy=split: the parts applied in order (the forward, cut in two)."""
+        return [self.features, nn.Sequential(nn.Flatten(), self.dropout, self.fc)]
+
 
 class MLP(nn.Module):
     """The two-layer perceptron, 784 -> hidden -> 10."""
@@ -36,6 +40,10 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.net(x)
 
+    def stages(self) -> list[nn.Module]:
+        """For dist.strategy=split: the hidden layer, then the output layer."""
+        return [self.net[:3], self.net[3:]]
+
 
 class Linear(nn.Module):
     """A single linear layer: for smoke tests, where the model's quality does not matter."""
@@ -46,6 +54,10 @@ class Linear(nn.Module):
 
     def forward(self, x):
         return self.fc(x.flatten(1))
+
+    def stages(self) -> list[nn.Module]:
+        """For dist.strategy=split: one layer, one stage."""
+        return [nn.Sequential(nn.Flatten(), self.fc)]
 
 
 def build(cfg: ModelSection) -> nn.Module:

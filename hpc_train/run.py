@@ -27,11 +27,12 @@ Code that never calls ``step_end`` is ended by the stop instead (see
 from __future__ import annotations
 
 import logging
+import contextlib
 import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,9 @@ class Run:
         self.is_main: bool = env.rank == 0
         self._multi = dist.is_initialized() and env.world_size > 1
         self._agreement = Agreement(self._multi, self._flags)
-        self._watched: nn.Module | None = None
+        self._wrapped = None     # strategies.Wrapped, once wrap() ran
+        self._replicated: nn.Module | None = None
+        self._scaler: torch.amp.GradScaler | None = None
         self._ckpt = None
         self._monitor = None
         self._start_step = 0
@@ -99,17 +102,41 @@ class Run:
         from torch.nn.parallel import DistributedDataParallel as DDP
         if isinstance(ddp, DDP):
             self._agreement.attach(ddp)
-            self._watched = ddp
+            self._replicated = ddp.module
         return ddp
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """Move ``model`` to this rank's device and wrap it as ``dist.strategy`` says (DDP by
-        default, when there is more than one rank); the wrapper is watched."""
+    def wrap(self, model: nn.Module, stages: Sequence[nn.Module] | None = None) -> nn.Module:
+        """Move ``model`` to this rank's device and wrap it as ``dist.strategy`` says (see
+        :mod:`hpc_train.strategies`; DDP by default, when there is more than one rank). Under
+        ``split``, ``stages`` are the model's parts in the order they apply (default: the
+        model's ``stages()``). Every strategy keeps the per-step stop agreement."""
+        from hpc_train import strategies
         model = model.to(self.device)
-        if not self._multi or self.config.dist.strategy == "none":
-            return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        return self.watch(DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None))
+        self._wrapped = strategies.wrap(model, self.config.dist.strategy, self.device, multi=self._multi,
+                                        local_rank=self.local_rank, local_world_size=self.local_world_size,
+                                        agreement=self._agreement, stages=stages)
+        # Its buffers are replicas (every strategy but none): rank 0's are synced before saves.
+        self._replicated = model if self.config.dist.strategy != "none" else None
+        return self._wrapped.net
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A context for the micro-batches of a gradient-accumulation cycle but the last: the
+        wrapped model skips the gradient averaging (DDP's ``no_sync`` for every strategy)."""
+        return self._wrapped.no_sync() if self._wrapped is not None else contextlib.nullcontext()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast context for ``train.precision`` (a no-op for fp32)."""
+        from hpc_train import precision
+        return precision.autocast(self.config.train.precision, self.device)
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """The run's GradScaler: enabled for ``train.precision=fp16`` (put it in ``state`` so its
+        scale is checkpointed), a pass-through otherwise."""
+        if self._scaler is None:
+            from hpc_train import precision
+            self._scaler = precision.scaler(self.config.train.precision, self.device)
+        return self._scaler
 
     def loader(self, dataset: Any, batch_size: int, shuffle: bool = True, *, drop_last: bool = True,
                num_workers: int = 0, seed: int | None = None, **kwargs: Any):
@@ -258,8 +285,8 @@ class Run:
         the canonical ones; syncing makes the replicated tensors truly equal (DCP writes each
         one from whichever rank it picks). Training is unchanged by it (the exactness tests).
         """
-        if self._multi and self._watched is not None:
-            for buf in self._watched.module.buffers():
+        if self._multi and self._replicated is not None:
+            for buf in self._replicated.buffers():
                 dist.broadcast(buf, 0)
 
     def step_end(self, state: dict[str, Any]) -> bool:
@@ -323,7 +350,9 @@ class Run:
         params = [p for k, kind in kinds.items() if kind == "module" for p in state[k].parameters()]
         if not params:
             return
-        bad = torch.stack([p.detach().isfinite().all() for p in params]).all().logical_not().float().reshape(1)
+        # FSDP parameters are DTensors: check this rank's shard (the agreement below covers the rest).
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        bad = torch.stack([p.detach().isfinite().all() for p in local]).all().logical_not().float().reshape(1)
         if self._multi:
             dist.all_reduce(bad)
         if bad.item() > 0:

@@ -1,13 +1,15 @@
 """The built-in loop: the tutorials' models on digits/MNIST, as one client of :class:`hpc_train.Run`.
 
-It holds a ``Run`` like any user's loop: ``run.wrap`` builds DDP, ``run.loader`` shards the data,
-``run.restore`` / ``run.step_end`` / ``run.finish`` checkpoint, stop and finish. Its state is a
-mapping of state objects, which is all the checkpointer sees.
+It holds a ``Run`` like any user's loop: ``run.wrap`` applies ``dist.strategy`` (DDP by default),
+``run.loader`` shards the data, ``run.restore`` / ``run.step_end`` / ``run.finish`` checkpoint, stop
+and finish. Its state is a mapping of state objects, which is all the checkpointer sees.
 
 One optimizer step is ``optim.grad_accum`` micro-batches; accumulation micro-batches run under
-``no_sync()`` so DDP skips their all-reduce. The step's metrics (loss sum, correct, count) are
-summed over ranks with the step's agreement, on the gradient all-reduce: logging costs no
-collective and no host sync beyond the one ``step_end`` makes anyway.
+``run.no_sync()`` so the strategy skips their gradient averaging. The step's metrics (loss sum,
+correct, count) are summed over ranks with the step's agreement, on the gradient all-reduce
+(``ddp``, ``allreduce``, ``split``; one small extra all-reduce under ``fsdp``): logging costs no
+collective and no host sync beyond the one ``step_end`` makes anyway. ``train.precision``: the
+forward runs under ``run.autocast()``, and the backward and step go through ``run.scaler``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from hpc_train import data as data_mod
-from hpc_train import models
+from hpc_train import models, strategies
 from hpc_train.config import Config
 from hpc_train.errors import UsageError
 from hpc_train.run import Run
@@ -83,8 +85,8 @@ class Trainer:
         # per-rank stream for dropout and anything else random in the step.
         seed_everything(cfg.seed)
         self.model = models.build(cfg.model).to(self.device)
-        self.net = run.wrap(self.model)
-        self.ddp = self.net is not self.model
+        self.net = run.wrap(self.model)   # dist.strategy: the model may now be sharded (fsdp) or split
+        self.eval_net = strategies.eval_module(self.net)   # no DDP buffer broadcast in eval
         train_ds, test_ds = data_mod.build(cfg.data, cfg.seed)
         d, accum = cfg.data, cfg.optim.grad_accum
         self.loader = run.loader(train_ds, d.batch_size, shuffle=d.shuffle, num_workers=d.num_workers,
@@ -100,26 +102,36 @@ class Trainer:
         shard = torch.utils.data.Subset(test_ds, range(run.rank, len(test_ds), run.world_size))
         self.test_loader = DataLoader(shard, batch_size=d.eval_batch_size, shuffle=False,
                                       generator=torch.Generator().manual_seed(0))
+        # fsdp all-gathers parameters in every forward, so every rank must run as many eval
+        # forwards as rank 0 (the largest shard), or one waits forever: the others pad with
+        # empty batches. (Shards differ by one sample: e.g. 513 samples, 2 ranks, batch 256.)
+        most = -(-len(range(0, len(test_ds), run.world_size)) // d.eval_batch_size)
+        self.eval_pad = most - len(self.test_loader) if cfg.dist.strategy == "fsdp" else 0
+        self.eval_shape = tuple(test_ds[0][0].shape) if self.eval_pad else ()
         t = cfg.train
         self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
         run.total_steps = self.total_steps
         self.optimizer = make_optimizer(cfg, self.model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
         self.criterion = nn.CrossEntropyLoss()
+        self.scaler = run.scaler          # fp16: loss scaling; a pass-through otherwise
         seed_everything(cfg.seed + 1000003 * (run.rank + 1))
         self.progress = Progress()
         from hpc_train.resume import model_signature
         run.checkpoint_record["model"] = model_signature(cfg)   # resume refuses another model config early
         self.state: dict[str, Any] = {"model": self.model, "optim": self.optimizer, "sched": self.scheduler,
                                       "loader": self.loader, "progress": self.progress, "step": 0}
+        if self.scaler.is_enabled():
+            self.state["scaler"] = self.scaler   # its scale and growth tracker resume with the run
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, sync: bool, prior: torch.Tensor | None) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns the metrics summed over the cycle.
         On the cycle's last micro-batch they are staged before the backward that carries them."""
-        ctx = self.net.no_sync() if (self.ddp and not sync) else contextlib.nullcontext()
+        ctx = self.run.no_sync() if not sync else contextlib.nullcontext()
         with ctx:
-            out = self.net(x)
-            loss = self.criterion(out, y)
+            with self.run.autocast():
+                out = self.net(x)
+                loss = self.criterion(out, y)
             correct = (out.detach().argmax(1) == y).sum()
             stats = torch.stack([loss.detach() * y.numel(), correct.float(),
                                  torch.tensor(float(y.numel()), device=x.device)])
@@ -127,7 +139,7 @@ class Trainer:
                 stats = prior + stats
             if sync:
                 self.run.sum_with_step(stats)
-            (loss / self.cfg.optim.grad_accum).backward()
+            self.scaler.scale(loss / self.cfg.optim.grad_accum).backward()
         return stats
 
     def fit(self) -> dict[str, Any]:
@@ -155,8 +167,10 @@ class Trainer:
                 if not sync:
                     continue
                 if cfg.optim.grad_clip:
+                    self.scaler.unscale_(self.optimizer)   # clip the true gradients, not the scaled ones
                     nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-                self.optimizer.step()
+                self.scaler.step(self.optimizer)   # fp16: skipped when a gradient overflowed
+                self.scaler.update()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 st["step"] += 1
@@ -221,10 +235,13 @@ class Trainer:
         stats = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in self.test_loader:
             x, y = x.to(self.device), y.to(self.device)
-            out = self.model(x)
+            with self.run.autocast():
+                out = self.eval_net(x)
             stats += torch.stack([nn.functional.cross_entropy(out, y, reduction="sum").double(),
                                   (out.argmax(1) == y).sum().double(),
                                   torch.tensor(float(y.numel()), device=self.device).double()])
+        for _ in range(self.eval_pad):
+            self.eval_net(torch.zeros((0, *self.eval_shape), device=self.device))
         if self.run.world_size > 1 and dist.is_initialized():
             dist.all_reduce(stats)
         self.net.train()

@@ -1,6 +1,6 @@
 """A character-level language model on a text file, in your own training loop, with hpc_train.
 
-The loop is plain PyTorch; five lines (marked "hpc_train") give it sharded checkpoints, a stop
+The loop is plain PyTorch; a few lines (marked "hpc_train") give it sharded checkpoints, a stop
 that every rank agrees on at a step boundary, a requeue on Slurm, and a bitwise-exact resume.
 The same file runs everywhere:
 
@@ -73,24 +73,30 @@ def main(argv: list[str] | None = None) -> dict:
     lr = args.lr or cfg.optim.lr
     torch.manual_seed(cfg.seed)                  # the same initial weights on every rank
     data = CharWindows(Path(args.text).read_text(), args.context)
-    model = run.wrap(CharMLP(len(data.chars), args.context))            # hpc_train: DDP per dist.strategy
+    net = CharMLP(len(data.chars), args.context)
+    model = run.wrap(net, stages=[net.embed, net.net])                  # hpc_train: dist.strategy (split: these stages)
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min((s + 1) / warmup, 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / steps)))))
     loader = run.loader(data, args.batch_size or cfg.data.batch_size, shuffle=True)   # hpc_train: sharded, resumable
     torch.manual_seed(cfg.seed + 1 + run.rank)   # each rank's own dropout stream (restore brings back its state)
-    state = {"model": model, "optim": optim, "sched": sched, "loader": loader, "step": 0}
+    # The unwrapped model: its checkpoint keys are the plain model's under every strategy.
+    state = {"model": net, "optim": optim, "sched": sched, "loader": loader, "step": 0}
+    if run.scaler.is_enabled():                                          # hpc_train: train.precision=fp16
+        state["scaler"] = run.scaler
     run.restore(state)                                                   # hpc_train: no-op on a fresh run
     loss_fn = nn.CrossEntropyLoss()
     loss = torch.tensor(float("nan"))
     while state["step"] < steps:
         for x, y in loader:                      # one epoch; continues mid-epoch after a restore
             x, y = x.to(run.device), y.to(run.device)
-            loss = loss_fn(model(x), y)
+            with run.autocast():                                         # hpc_train: train.precision
+                loss = loss_fn(model(x), y)
             optim.zero_grad(set_to_none=True)
-            loss.backward()
-            optim.step()
+            run.scaler.scale(loss).backward()    # fp16: loss scaling; otherwise these three are
+            run.scaler.step(optim)               # loss.backward() and optim.step()
+            run.scaler.update()
             sched.step()
             state["step"] += 1
             run.log(state["step"], loss=loss.item(), lr=sched.get_last_lr()[0])

@@ -182,7 +182,10 @@ def _stoppable(name: str, cfg):
             deadline = time.monotonic() + 30
             while not run.stop_requested and time.monotonic() < deadline:
                 time.sleep(0.01)
-    model.register_forward_pre_hook(hook)
+    # On the first leaf module: under dist.strategy=split the model's own forward is not called
+    # (its stages are), but its first layer is, once per forward, under every strategy.
+    first = next(m for m in model.modules() if not any(True for _ in m.children()))
+    first.register_forward_pre_hook(hook)
     return model
 
 
