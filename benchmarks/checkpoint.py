@@ -133,10 +133,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     # The timing barriers' own group: a barrier on the checkpointer's group while its async save
     # runs collectives there in the background would interleave with them (and hang).
     pg = dist.new_group(backend="gloo")
-    # The same save with the copy made before save() returns (checkpoint.overlap_staging=false).
+    # The copy overlapping the next step (checkpoint.overlap_staging=always), and made before
+    # save() returns (never); `ck` keeps the config's default (auto: never on CPU).
     import copy
-    no_overlap = copy.deepcopy(cfg.checkpoint)
-    no_overlap.overlap_staging = False
+    overlapped, no_overlap = copy.deepcopy(cfg.checkpoint), copy.deepcopy(cfg.checkpoint)
+    overlapped.overlap_staging, no_overlap.overlap_staging = "always", "never"
+    ck_over = checkpoint.Checkpointer(overlapped, run_dir, rank, world)
     ck_plain = checkpoint.Checkpointer(no_overlap, run_dir, rank, world)
     model, optim = trainer.model, trainer.optimizer
     gen = torch.Generator().manual_seed(rank)
@@ -250,13 +252,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             shutil.rmtree(checkpoint._dir_for(run_dir, step))
         # Interleaved: a plain step, a save overlapping the next step, a plain step, a save copied first.
         t_step = [timed(train_step) for _ in range(2)]
-        t_ov = save_then_step(ck)
+        t_ov = save_then_step(ck_over)
         t_step.append(timed(train_step))
         t_nov = save_then_step(ck_plain)
         t_step.append(timed(train_step))
         one = statistics.median(t_step)
         src = torch.ones(state_bytes // 4)
-        dst = torch.empty_like(src)
+        dst = torch.zeros_like(src)          # pages touched: a copy into warm memory, as the stager's
+        dst.copy_(src)
         t_copy = timed(lambda: dst.copy_(src))
         del src, dst
         if rank == 0:
@@ -270,6 +273,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         Path(out).write_text(json.dumps({"results": res, "state_bytes": state_bytes, "ckpt_bytes": ckpt_bytes,
                                          "torch": torch.__version__}))
     ck.close()
+    ck_over.close()
     ck_plain.close()
     del trainer
     distributed.shutdown()

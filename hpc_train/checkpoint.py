@@ -241,7 +241,8 @@ class Checkpointer:
         # step(), which waits for the copy (a step pre-hook); buffers change in the forward, so
         # they are copied here. A checkpoint still holds exactly this step's state (the exactness
         # tests resume from such saves). Needs an optimizer in state to hang the wait on.
-        overlap = (self.cfg.async_save and self.cfg.overlap_staging and not blocking
+        wanted = self.cfg.overlap_staging == "always" or (self.cfg.overlap_staging == "auto" and torch.cuda.is_available())
+        overlap = (self.cfg.async_save and wanted and not blocking
                    and any(kind == "optimizer" for kind in kinds.values()))
         if overlap:
             self._hook_optimizers(state, kinds)

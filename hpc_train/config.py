@@ -152,10 +152,12 @@ class CheckpointSection:
     keep: int = _f(2, min=2)                     # the newest may still be being written
     keep_skipped: int = _f(3, min=0)             # moved-aside damaged/unfinished copies kept (never deleted sooner)
     async_save: bool = _f(True)
-    # Async saves copy the state on a background thread while the next step's forward and
-    # backward run; the next optimizer.step() waits for the copy. Turn off for code that changes
-    # weights outside optimizer.step() (then the copy is made before step_end returns).
-    overlap_staging: bool = _f(True)
+    # "always": an async save copies the state on a background thread while the next step's
+    # forward and backward run; the next optimizer.step() waits for the copy. "auto": only with a
+    # GPU (the copy is a device-to-host transfer off the compute stream). On CPU the copy competes
+    # with the step for the same cores and memory bandwidth: measured slower on 2 cores
+    # (benchmarks/checkpoint.py). "never" for code that changes weights outside optimizer.step().
+    overlap_staging: str = _f("auto", choices=("auto", "always", "never"))
 
 
 @dataclass
