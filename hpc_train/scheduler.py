@@ -143,54 +143,24 @@ class JobState:
         return self.state.split()[0] in FINAL_STATES
 
 
-def query(ids: list[str]) -> dict[str, JobState]:
-    """States of many jobs in at most two scheduler calls: squeue, then sacct for the rest."""
-    ids = [i for i in dict.fromkeys(ids) if i]
+def _squeue(job_list: str, *flags: str) -> dict[str, JobState]:
+    sq = _run(["squeue", "-h", *flags, "-j", job_list, "-o", "%i|%T|%N|%M|%r"])
     out: dict[str, JobState] = {}
-    if not ids:
-        return out
-    sq = _run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%N|%M|%r"])
     for line in sq.stdout.splitlines():
         jid, state, nodes, elapsed, reason = (line.split("|") + [""] * 5)[:5]
         out[jid] = JobState(jid, state, nodes, elapsed, reason=reason)
-    rest = [i for i in ids if i not in out]
-    if rest or out:
-        # sacct --duplicates lists every run of a requeued job: the count is the restarts.
-        sa = _run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", ",".join(ids),
-                   "-o", "JobID,State,NodeList,Elapsed,ExitCode"])
-        runs: dict[str, list[list[str]]] = {}
-        for line in sa.stdout.splitlines():
-            f = line.split("|")
-            if len(f) >= 5:
-                runs.setdefault(f[0], []).append(f)
-        for jid, rows in runs.items():
-            if jid in out:
-                out[jid].restarts = len(rows) - 1
-            else:
-                last = rows[-1]
-                out[jid] = JobState(jid, last[1], last[2], last[3], restarts=len(rows) - 1, exit_code=last[4])
     return out
 
 
-
-def query_tasks(ids: list[str]) -> dict[str, JobState]:
-    """States of array tasks (``A_I``) and plain jobs, keyed by those ids, in exactly two calls
-    whatever their number: ``squeue -r`` and ``sacct`` over the array (base) ids. Asking for
-    ``A`` rather than 100 ``A_I`` keeps the RPC small; ``-r`` lists pending tasks one per line."""
-    bases = list(dict.fromkeys(i.split("_")[0] for i in ids if i))
-    out: dict[str, JobState] = {}
-    if not bases:
-        return out
-    sq = _run(["squeue", "-h", "-r", "-j", ",".join(bases), "-o", "%i|%T|%N|%M|%r"])
-    for line in sq.stdout.splitlines():
-        jid, state, nodes, elapsed, reason = (line.split("|") + [""] * 5)[:5]
-        out[jid] = JobState(jid, state, nodes, elapsed, reason=reason)
-    sa = _run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", ",".join(bases),
+def _add_sacct(out: dict[str, JobState], job_list: str) -> None:
+    """Restarts of the jobs squeue knows, and the final state of those it no longer lists.
+    sacct --duplicates lists every run of a requeued job: the count is the restarts."""
+    sa = _run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", job_list,
                "-o", "JobID,State,NodeList,Elapsed,ExitCode"])
     runs: dict[str, list[list[str]]] = {}
     for line in sa.stdout.splitlines():
         f = line.split("|")
-        if len(f) >= 5 and "[" not in f[0]:   # "A_[4-99%2]": tasks not started yet (squeue has them)
+        if len(f) >= 5:
             runs.setdefault(f[0], []).append(f)
     for jid, rows in runs.items():
         if jid in out:
@@ -198,7 +168,30 @@ def query_tasks(ids: list[str]) -> dict[str, JobState]:
         else:
             last = rows[-1]
             out[jid] = JobState(jid, last[1], last[2], last[3], restarts=len(rows) - 1, exit_code=last[4])
+
+
+def query(ids: list[str]) -> dict[str, JobState]:
+    """States of many jobs in at most two scheduler calls: squeue, then sacct for the rest."""
+    ids = [i for i in dict.fromkeys(ids) if i]
+    if not ids:
+        return {}
+    out = _squeue(",".join(ids))
+    _add_sacct(out, ",".join(ids))
+    return out
+
+
+def query_tasks(ids: list[str]) -> dict[str, JobState]:
+    """States of array tasks (``A_I``) and plain jobs, keyed by those ids, in exactly two calls
+    whatever their number: ``squeue -r`` and ``sacct`` over the array (base) ids. Asking for
+    ``A`` rather than 100 ``A_I`` keeps the RPC small; ``-r`` lists pending tasks one per line
+    (sacct's "A_[4-99%2]" row for tasks not started yet matches no id asked for)."""
+    bases = list(dict.fromkeys(i.split("_")[0] for i in ids if i))
+    if not bases:
+        return {}
+    out = _squeue(",".join(bases), "-r")
+    _add_sacct(out, ",".join(bases))
     return {i: out[i] for i in ids if i in out}
+
 
 def wait(ids: list[str], on_change=None, max_delay: float = 30.0) -> dict[str, JobState]:
     """Block until every job is final; the poll interval doubles from 1 s up to ``max_delay``."""
