@@ -169,18 +169,24 @@ def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
     assert not (task_dirs[1] / "requeue.json").exists()
 
 
-def test_killed_rank_ends_the_job_and_failure_budget_resumes_it(slurm, tmp_path):
-    run_dir = tmp_path / "job"
-    timeout_s = 30
-    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=2000", "--set", "checkpoint.every_steps=200",
+def _two_node_job_at(slurm, run_dir: Path, max_steps: int, timeout_s: int, step: int) -> tuple[str, int]:
+    """Submit a 2-node job with a failure budget of 1 and wait until it has trained ``step``
+    steps: (its job id, rank 1's pid, from its log's on-node line)."""
+    r = slurm.cli("submit", *BASE, "--set", f"train.max_steps={max_steps}", "--set", "checkpoint.every_steps=200",
                   "--set", f"dist.timeout_s={timeout_s}", "--set", "job.requeue_failure=1",
                   "--nodes", "2", "--run-dir", run_dir)
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     slurm.wait_state(job, {"RUNNING"}, 120)
-    _wait_steps(run_dir, 500, 180)
+    _wait_steps(run_dir, step, 180)
     line = next(x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if "on-node" in x)
-    pid = int(re.search(r"pid (\d+)", line).group(1))
+    return job, int(re.search(r"pid (\d+)", line).group(1))
+
+
+def test_killed_rank_ends_the_job_and_failure_budget_resumes_it(slurm, tmp_path):
+    run_dir = tmp_path / "job"
+    timeout_s = 30
+    job, pid = _two_node_job_at(slurm, run_dir, 2000, timeout_s, 500)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     while slurm.state(job).split()[0] == "RUNNING" and time.monotonic() - killed < timeout_s + 60:
@@ -199,15 +205,7 @@ def test_stopped_rank_is_named_with_its_stack_and_the_failure_budget_resumes_it(
     dist.timeout_s + 60 s, and the failure budget requeues the job, which resumes and completes."""
     run_dir = tmp_path / "job"
     timeout_s = 15
-    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=1500", "--set", "checkpoint.every_steps=200",
-                  "--set", f"dist.timeout_s={timeout_s}", "--set", "job.requeue_failure=1",
-                  "--nodes", "2", "--run-dir", run_dir)
-    assert r.returncode == 0, r.stderr
-    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
-    slurm.wait_state(job, {"RUNNING"}, 120)
-    _wait_steps(run_dir, 300, 180)
-    line = next(x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if "on-node" in x)
-    pid = int(re.search(r"pid (\d+)", line).group(1))
+    job, pid = _two_node_job_at(slurm, run_dir, 1500, timeout_s, 300)
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
