@@ -137,37 +137,50 @@ class Ledger:
         self._write()
 
     def _write(self) -> None:
+        from hpc_train.config import write_atomic
         try:
-            tmp = self.path.with_name(FILE + ".tmp")
-            tmp.write_text(json.dumps(self.rec, indent=1))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(self.rec, indent=1))
         except OSError:
             pass   # a full disk is reported by the checkpoint that fails, not by the ledger
+
+    def training_share(self) -> float | None:
+        """The share of the wall time so far that was training (from memory, not the file)."""
+        b = _breakdown(self.rec, time.time())
+        return None if b is None or b["wall_s"] <= 0 else b["parts"]["training"] / b["wall_s"]
 
 
 def exited(run_dir: Path, since: float) -> None:
     """The launcher (local) or the batch shell's hook (Slurm), once every process has exited:
     the newest segment, if it began after ``since``, ends now (the processes' own teardown, and
     a killed rank 0 that never wrote its end, count up to here). Never raises."""
+    from hpc_train.config import write_atomic
     try:
         rec = _read(Path(run_dir))
         if rec["segments"] and float(rec["segments"][-1].get("start", 0)) >= since - 1.0:
             rec["segments"][-1]["exited"] = time.time()
-            tmp = Path(run_dir) / (FILE + ".tmp")
-            tmp.write_text(json.dumps(rec, indent=1))
-            os.replace(tmp, Path(run_dir) / FILE)
+            write_atomic(Path(run_dir) / FILE, json.dumps(rec, indent=1))
     except (OSError, ValueError, TypeError):
         pass
+
+
+def job_start(env: dict[str, str]) -> float:
+    """This job's start (Slurm's SLURM_JOB_START_TIME where set); 0 when unknown."""
+    try:
+        return float(env.get("SLURM_JOB_START_TIME") or 0)
+    except ValueError:
+        return 0.0
 
 
 def breakdown(run_dir: Path, now: float | None = None) -> dict[str, Any] | None:
     """Seconds per part (see the module docstring), the wall time and the number of runs; None
     when the run has no ledger. A segment still running counts up to ``now``."""
-    rec = _read(Path(run_dir))
+    return _breakdown(_read(Path(run_dir)), time.time() if now is None else now)
+
+
+def _breakdown(rec: dict[str, Any], now: float) -> dict[str, Any] | None:
     segs = [s for s in rec["segments"] if isinstance(s, dict) and isinstance(s.get("start"), (int, float))]
     if not segs:
         return None
-    now = time.time() if now is None else now
     parts = dict.fromkeys(PARTS, 0.0)
     prev_end = float(rec.get("first_submit", segs[0]["start"]))
     first = prev_end

@@ -139,8 +139,8 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
     """
     env = dict(os.environ if env is None else env)
     run_dir = Path(run_dir)
-    from hpc_train.goodput import exited
-    exited(run_dir, goodput_job_start(env))   # every task of this job has exited (srun returned)
+    from hpc_train import goodput
+    goodput.exited(run_dir, goodput.job_start(env))   # every task of this job has exited (srun returned)
     pending = run_dir / PENDING
     if (run_dir / "result.json").exists():
         pending.unlink(missing_ok=True)
@@ -176,14 +176,6 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
             return (f"{msg}; requeued", 0) if ok else (f"{msg}; NOT requeued: {detail}", status)
         return msg, status
     return "no requeue requested", 0
-
-
-def goodput_job_start(env: dict[str, str]) -> float:
-    """This job's start (Slurm's SLURM_JOB_START_TIME where set); 0 when unknown."""
-    try:
-        return float(env.get("SLURM_JOB_START_TIME") or 0)
-    except ValueError:
-        return 0.0
 
 
 def _own_target(env: dict[str, str]) -> str:

@@ -331,10 +331,9 @@ class Run:
     def _saved(self, ledger, step: int, blocked_s: float) -> None:
         ledger.saved(blocked_s)
         if self._monitor is not None and self.config.log.tensorboard:
-            from hpc_train.goodput import breakdown
-            b = breakdown(self.run_dir)
-            if b is not None and b["wall_s"] > 0:
-                self._monitor.scalar("goodput/training", b["parts"]["training"] / b["wall_s"], step)
+            share = ledger.training_share()
+            if share is not None:
+                self._monitor.scalar("goodput/training", share, step)
 
     def _diverged(self, step: int, what: str) -> None:
         last = self._ckpt.last_step if self._ckpt is not None and self._ckpt.last_step >= 0 else None
