@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -210,3 +211,32 @@ def tb_scalar_steps(run_dir: Path, tag: str = "train/loss") -> tuple[list[int], 
                 if v.tag == tag:
                     written.append(ev.step)
     return shown, written
+
+
+def start(*args, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m hpc_train ARGS`` in the background, output captured."""
+    return subprocess.Popen([sys.executable, "-m", "hpc_train", *map(str, args)], cwd=REPO, env=env or clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stop_when(p: subprocess.Popen, path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """SIGTERM to the launcher once ``path`` exists; then wait for it to exit."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert p.poll() is None, f"ended before {path} appeared:\n{p.communicate()[1][-4000:]}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def one_line_exit2(p: subprocess.CompletedProcess, *needles: str) -> str:
+    """Bad input's contract: exit 2, no traceback, exactly one line on stderr, naming ``needles``."""
+    assert p.returncode == 2, show(p)
+    assert "Traceback" not in p.stderr, show(p)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, show(p)
+    for n in needles:
+        assert n in lines[0], show(p)
+    return lines[0]

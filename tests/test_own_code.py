@@ -18,29 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import REPO, assert_same_weights, clean_env, export, hpc, show, steps, train_losses
+from ckpt_helpers import (REPO, assert_same_weights, clean_env, export, hpc, show, start, steps, stop_when,
+                          train_losses)
 
 CHARLM = str(REPO / "jobs" / "charlm.py")
 SNAPSHOT = str(REPO / "jobs" / "ddp_snapshot.py")
 STEPS = 240
 CHARLM_RUN = ("--script", CHARLM, "--nproc", "2", "--set", "checkpoint.every_steps=40", "--set", "log.tensorboard=false")
-
-
-def _start(*args: str, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hpc_train", *map(str, args)], cwd=REPO, env=env or clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _stop_when(p: subprocess.Popen, path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """SIGTERM to the launcher once ``path`` exists; then wait for it to exit."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert p.poll() is None, f"ended before {path} appeared:\n{p.communicate()[1][-4000:]}"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +43,7 @@ def test_own_loop_stopped_twice_resumes_bitwise(charlm_straight, tmp_path):
     cmd = ("run", *CHARLM_RUN, "--run-dir", rd, "--", "--steps", str(STEPS))
     stops = []
     for seen in (40, 120):   # stop somewhere after the first and the third checkpoint
-        p = _stop_when(_start(*cmd), rd / "checkpoints" / f"step-{seen}")
+        p = stop_when(start(*cmd), rd / "checkpoints" / f"step-{seen}")
         assert p.returncode == 128 + signal.SIGTERM, show(p)
         k = json.loads((rd / "stopped.json").read_text())["steps"]
         assert f"checkpoint saved at step {k}; run the same command to resume" in p.stderr, show(p)
@@ -92,7 +76,7 @@ def test_unaware_script_is_stopped_and_resumes_from_its_own_snapshot(tmp_path):
     rd, snap = tmp_path / "run", tmp_path / "snap.pt"
     cmd = ("run", "--script", SNAPSHOT, "--nproc", "2", "--run-dir", rd, "--", "--epochs", "6", "--epoch-sleep", "0.5",
            "--snapshot", snap)
-    p = _stop_when(_start(*cmd), snap)
+    p = stop_when(start(*cmd), snap)
     assert p.returncode == 128 + signal.SIGTERM, show(p)
     assert "saved nothing this time; run the same command to resume" in p.stderr, show(p)
     rec = json.loads((rd / "stopped.json").read_text())
@@ -123,9 +107,9 @@ def test_fn_that_ignores_run_is_ended_by_a_stop_and_not_marked_finished(tmp_path
     rd = tmp_path / "run"
     marks = tmp_path / "marks"
     marks.mkdir()
-    p = _start("run", "--fn", f"{PLUGINS}:loop_forever", "--nproc", "2", "--run-dir", rd,
+    p = start("run", "--fn", f"{PLUGINS}:loop_forever", "--nproc", "2", "--run-dir", rd,
                env=clean_env(HPC_TEST_MARK_DIR=str(marks)))
-    q = _stop_when(p, marks / "loop_forever-rank1")
+    q = stop_when(p, marks / "loop_forever-rank1")
     assert q.returncode == 128 + signal.SIGTERM, show(q)
     assert not (rd / "result.json").exists()
     assert json.loads((rd / "stopped.json").read_text())["checkpoint"] is False
@@ -136,7 +120,7 @@ def test_fn_gets_the_same_run_and_its_stop(tmp_path):
     """`run --fn` (the local mode of `hpc_train.submit(fn)`): init() inside returns the worker's
     Run, with the config's dist section; a stop is seen by step_end and saved."""
     rd = tmp_path / "run"
-    p = _stop_when(_start("run", "--fn", f"{PLUGINS}:run_api_loop", "--nproc", "2", "--run-dir", rd,
+    p = stop_when(start("run", "--fn", f"{PLUGINS}:run_api_loop", "--nproc", "2", "--run-dir", rd,
                           "--set", "dist.timeout_s=77", "--set", "checkpoint.every_steps=5"),
                    rd / "checkpoints" / "step-5")
     assert p.returncode == 128 + signal.SIGTERM, show(p)

@@ -12,19 +12,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import REPO, children, clean_env, hpc, load_full, show, write_config
+from ckpt_helpers import REPO, children, hpc, load_full, one_line_exit2, show, start, write_config
 
 from hpc_train import resume
-
-
-def _start(*args, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hpc_train", *map(str, args)], cwd=REPO, env=env or clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:
@@ -46,16 +40,6 @@ def _worker_pid(run_dir: Path, rank: int) -> int:
     return json.loads(hb.read_text())["pid"]
 
 
-def _one_line_exit2(p: subprocess.CompletedProcess, *needles: str) -> str:
-    assert p.returncode == 2, show(p)
-    assert "Traceback" not in p.stderr, show(p)
-    lines = [x for x in p.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1, show(p)
-    for n in needles:
-        assert n in lines[0], show(p)
-    return lines[0]
-
-
 BIG = {"model": {"name": "mlp", "hidden": 2048, "dropout": 0.1}, "train": {"max_steps": 100000, "log_every": 50},
        "checkpoint": {"every_steps": 1, "keep": 2}, "dist": {"timeout_s": 15}}
 
@@ -63,11 +47,11 @@ BIG = {"model": {"name": "mlp", "hidden": 2048, "dropout": 0.1}, "train": {"max_
 def test_busy_run_directory_is_refused_and_a_stale_lock_is_not(tmp_path):
     cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 100000}})
     rd = tmp_path / "run"
-    first = _start("run", cfg, "--nproc", "2", "--run-dir", rd)
+    first = start("run", cfg, "--nproc", "2", "--run-dir", rd)
     try:
         _wait_for(lambda: (rd / "checkpoints" / "step-5" / "commit.json").exists(), 120, "a first checkpoint")
         for argv in (("run", cfg, "--nproc", "2", "--run-dir", rd), ("run", cfg, "--run-dir", rd, "--resume", "none")):
-            line = _one_line_exit2(hpc(*argv), f"{rd} is in use by", f"pid {first.pid} on host {os.uname().nodename}")
+            line = one_line_exit2(hpc(*argv), f"{rd} is in use by", f"pid {first.pid} on host {os.uname().nodename}")
             assert "python -m hpc_train run" in line
         assert not list(rd.glob("checkpoints.old-*"))      # --resume none moved nothing aside
         assert first.poll() is None                          # the holder trains on, undisturbed
@@ -84,7 +68,7 @@ def test_busy_run_directory_is_refused_and_a_stale_lock_is_not(tmp_path):
 def test_sighup_stops_the_workers_like_ctrl_c(tmp_path):
     cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 100000}})
     rd = tmp_path / "run"
-    p = _start("run", cfg, "--nproc", "2", "--run-dir", rd)
+    p = start("run", cfg, "--nproc", "2", "--run-dir", rd)
     _wait_for(lambda: (rd / "checkpoints" / "step-5" / "commit.json").exists(), 120, "a first checkpoint")
     workers = children(p.pid)
     p.send_signal(signal.SIGHUP)                # the terminal closed
@@ -99,7 +83,7 @@ def test_sighup_stops_the_workers_like_ctrl_c(tmp_path):
 def test_sigterm_to_one_worker_ends_the_run_unfinished_and_says_so(tmp_path):
     cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 100000}})
     rd = tmp_path / "run"
-    p = _start("run", cfg, "--nproc", "2", "--run-dir", rd)
+    p = start("run", cfg, "--nproc", "2", "--run-dir", rd)
     os.kill(_worker_pid(rd, 1), signal.SIGTERM)   # not through the launcher
     out, err = p.communicate(timeout=120)
     assert p.returncode != 0, err
@@ -121,7 +105,7 @@ def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
         (rd / "result.json").unlink()            # not finished: the next run resumes, loading step 3
         for hb in (rd / "logs" / ".heartbeat").iterdir():   # the first run's: _worker_pid must see the new one
             hb.unlink()
-    p = _start("run", cfg, "--nproc", "2", "--run-dir", rd)
+    p = start("run", cfg, "--nproc", "2", "--run-dir", rd)
     pid = _worker_pid(rd, 1)
     if phase == "step":
         log0 = rd / "logs" / "rank-0.log"
@@ -167,7 +151,7 @@ def test_divergence_stops_the_run_and_saves_nothing_non_finite(tmp_path):
 @pytest.mark.parametrize("cmd", ["run", "sbatch", "submit --dry-run"])
 def test_a_run_directory_with_a_newline_is_refused(tmp_path, cmd):
     rd = tmp_path / "a\nb"
-    line = _one_line_exit2(hpc(*cmd.split(), str(REPO / "jobs" / "digits.yaml"), "--run-dir", rd), "a\\nb")
+    line = one_line_exit2(hpc(*cmd.split(), str(REPO / "jobs" / "digits.yaml"), "--run-dir", rd), "a\\nb")
     assert "single line" in line or "control characters" in line
     assert not rd.exists()
 
@@ -175,7 +159,7 @@ def test_a_run_directory_with_a_newline_is_refused(tmp_path, cmd):
 def test_a_run_directory_that_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    _one_line_exit2(hpc("run", str(REPO / "jobs" / "digits.yaml"), "--run-dir", f), "is a file")
+    one_line_exit2(hpc("run", str(REPO / "jobs" / "digits.yaml"), "--run-dir", f), "is a file")
     assert f.read_text() == "x"
 
 
@@ -189,7 +173,7 @@ def test_resume_with_a_changed_config_names_the_changes_and_refuses_what_cannot_
     for change, name in (("optim.name=sgd", "optim.name: 'adam' -> 'sgd'"),
                          ("model.hidden=64", "model.hidden: 32 -> 64")):
         p = hpc("run", cfg, "--nproc", "2", "--run-dir", rd, "--set", change)
-        line = _one_line_exit2(p, name, "checkpoints cannot load")
+        line = one_line_exit2(p, name, "checkpoints cannot load")
         assert "Traceback" not in p.stderr and "KeyError" not in line
     after = sorted(str(x.relative_to(rd)) for x in rd.rglob("*") if x.is_file() and ".heartbeat" not in str(x))
     assert after == before                              # nothing written: no worker started
@@ -221,7 +205,7 @@ def small_disk(tmp_path):
 def test_full_and_read_only_disks_are_one_line(small_disk):
     full, ro = small_disk
     p = hpc("run", str(REPO / "jobs" / "digits.yaml"), "--run-dir", ro / "run", "--set", "train.max_steps=2")
-    _one_line_exit2(p, str(ro / "run"), "Read-only file system", "writable --run-dir")
+    one_line_exit2(p, str(ro / "run"), "Read-only file system", "writable --run-dir")
     p = hpc("run", str(REPO / "jobs" / "digits.yaml"), "--nproc", "2", "--run-dir", full / "run",
             "--set", "model.name=mlp", "--set", "model.hidden=256", "--set", "train.max_steps=30",
             "--set", "checkpoint.every_steps=5", "--set", "log.tensorboard=false")

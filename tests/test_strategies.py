@@ -22,14 +22,12 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import REPO, assert_same_weights, clean_env, export, hpc, run, show, steps, train_losses, write_config
+from ckpt_helpers import (REPO, assert_same_weights, export, hpc, one_line_exit2, run, show, start, steps,
+                          stop_when, train_losses, write_config)
 
 STOP_AT = 7            # mid-epoch: 512 samples / (16 x 2 ranks) = 16 steps per epoch
 TOTAL = 12             # BASE's train.max_steps
@@ -155,27 +153,13 @@ def _charlm(strategy: str, rd: Path) -> tuple[str, ...]:
             str(CHARLM_STEPS))
 
 
-def _stop_when(args: tuple[str, ...], path: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Start ``python -m hpc_train ARGS``; SIGTERM to it once ``path`` exists; wait for it."""
-    p = subprocess.Popen([sys.executable, "-m", "hpc_train", *args], cwd=REPO, env=clean_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert p.poll() is None, f"ended before {path} appeared:\n{p.communicate()[1][-4000:]}"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=180)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
-
-
 @pytest.mark.parametrize("strategy", ["allreduce", "fsdp", "split"])
 def test_own_loop_stop_and_resume_is_bitwise_exact(tmp_path, strategy):
     ref = tmp_path / "straight"
     p = hpc(*_charlm(strategy, ref))
     assert p.returncode == 0, show(p)
     rd = tmp_path / "run"
-    first = _stop_when(_charlm(strategy, rd), rd / "checkpoints" / "step-20")
+    first = stop_when(start(*_charlm(strategy, rd)), rd / "checkpoints" / "step-20", timeout=180)
     assert first.returncode == 128 + signal.SIGTERM, show(first)
     k = json.loads((rd / "stopped.json").read_text())["steps"]
     assert 20 <= k < CHARLM_STEPS and steps(rd)[0] == k
@@ -221,41 +205,32 @@ def test_fp16_checkpoint_restores_the_scaler(tmp_path):
 
 
 # -- bad input: one line, exit 2 ------------------------------------------------------------------
-def _one_line(p: subprocess.CompletedProcess, *needles: str) -> None:
-    assert p.returncode == 2, show(p)
-    assert "Traceback" not in p.stderr, show(p)
-    lines = [x for x in p.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1, show(p)
-    for n in needles:
-        assert n in lines[0], show(p)
-
-
 def test_bad_input_is_one_line_exit_2(tmp_path, straight):
     rd = tmp_path / "r"
     job = REPO / "jobs" / "digits.yaml"
-    _one_line(hpc("run", job, "--set", "dist.strategy=zero3", "--run-dir", rd), "dist.strategy must be one of",
+    one_line_exit2(hpc("run", job, "--set", "dist.strategy=zero3", "--run-dir", rd), "dist.strategy must be one of",
               "fsdp", "allreduce", "split")
-    _one_line(hpc("run", job, "--set", "dist.strategy=dp", "--nproc", "2", "--run-dir", rd),
+    one_line_exit2(hpc("run", job, "--set", "dist.strategy=dp", "--nproc", "2", "--run-dir", rd),
               "dist.strategy=dp", "2 processes per node", "use dist.strategy=ddp")
-    _one_line(hpc("submit", job, "--set", "dist.strategy=dp", "--set", "job.tasks_per_node=4", "--dry-run"),
+    one_line_exit2(hpc("submit", job, "--set", "dist.strategy=dp", "--set", "job.tasks_per_node=4", "--dry-run"),
               "dist.strategy=dp", "4 processes per node")
-    _one_line(hpc("submit", job, "--set", "dist.strategy=dp", "--set", "job.gpus_per_node=8", "--dry-run"),
+    one_line_exit2(hpc("submit", job, "--set", "dist.strategy=dp", "--set", "job.gpus_per_node=8", "--dry-run"),
               "dist.strategy=dp", "8 processes per node", "job.tasks_per_node=1")
     assert hpc("submit", job, "--set", "dist.strategy=dp", "--set", "job.gpus_per_node=8", "--set",
                "job.tasks_per_node=1", "--dry-run").returncode == 0
-    _one_line(hpc("run", job, "--set", "train.opt_level=O1", "--set", "train.precision=bf16", "--run-dir", rd),
+    one_line_exit2(hpc("run", job, "--set", "train.opt_level=O1", "--set", "train.precision=bf16", "--run-dir", rd),
               "train.opt_level=O1 means train.precision=fp16")
-    _one_line(hpc("run", job, "--set", "dist.strategy=fsdp", "--set", "train.precision=fp16", "--run-dir", rd),
+    one_line_exit2(hpc("run", job, "--set", "dist.strategy=fsdp", "--set", "train.precision=fp16", "--run-dir", rd),
               "fsdp", "use train.precision=bf16")
     assert not rd.exists()
     # fsdp resumed from a checkpoint of another model (hidden 32 -> 16): refused before any worker.
     _, fsdp_run, _, _ = straight("fsdp")
     cfg = write_config(tmp_path / "other.yaml", _over("fsdp", model={"hidden": 16}))
-    _one_line(run(cfg, rd, resume=str(fsdp_run / "checkpoints" / f"step-{TOTAL}")), "model config",
+    one_line_exit2(run(cfg, rd, resume=str(fsdp_run / "checkpoints" / f"step-{TOTAL}")), "model config",
               "'hidden': 32", "'hidden': 16")
 
 
-def test_devices_a_cpu_cannot_show_are_refused_in_one_line():
+def test_devices_a_cpu_cannot_show_are_refused_inone_line_exit2():
     """No GPU here: the two refusals that need one are checked on their pure functions, with the
     device counts a GPU node would report (the CLI turns their UsageError into one line, exit 2)."""
     from hpc_train import precision, strategies
