@@ -225,8 +225,9 @@ class Run:
                      "" if saved == self.world_size else
                      f" (saved at world size {saved}, now {self.world_size}: resharded)")
         self._start_step = state["step"] if source is not None else 0
-        if self._ledger() is not None:
-            self._ledger().restored(self._start_step, time.time() - t_load if source is not None else 0.0)
+        ledger = self._ledger()
+        if ledger is not None:
+            ledger.restored(self._start_step, time.time() - t_load if source is not None else 0.0)
         own = source is not None and source.path.parent.resolve() == resume.ckpt_root(self.run_dir).resolve()
         self._resumed_from = source.step if own else -1
         if self._ckpt is not None:
