@@ -1,12 +1,20 @@
 """Preemption costs, measured side by side in one run.
 
-1. signal -> checkpoint committed -> requeue issued, for a state of >= 100 MB (an MLP with a
-   wide hidden layer, Adam), on the local Slurm cluster with a real preemption by a `high` job,
-   next to the signal lead (90 s by default).
+1. A requeue cycle, phase by phase, for a state of >= 100 MB (an MLP with a wide hidden layer,
+   Adam) on 2 nodes of the local Slurm cluster, preempted for real by a `high` job (twice):
+   signal -> checkpoint committed -> every rank exited -> requeue issued; then Slurm's share
+   (requeue, pending, scheduling), then job start -> process start -> hpc_train's worker ->
+   torch imported -> process group ready -> model and data built -> checkpoint loaded -> first
+   step done. hpc_train's own share (target <= 5 s): signal -> every rank exited, plus process
+   start -> first step. The timestamps are the run's own (``stopped.json``, ``requeue.json``,
+   the goodput ledger's per-run milestones), so nothing in the loop is there for the benchmark.
 2. Training throughput with the per-step stop agreement against without it (local, 2 gloo
    ranks, interleaved runs, medians; target ratio >= 0.99).
-3. Goodput for a job preempted every M seconds: the fraction of wall time (submit -> done) spent
-   in steps that count, for a few values of M.
+3. Goodput of a job preempted every M seconds of running (60 and 120 s), from its goodput
+   ledger, and projected for one preemption every 10 minutes and every 4 hours from the
+   measured parts: per run start-up s, exit x and time between runs b, and the share f of
+   training time blocked by checkpoint saves:
+   goodput(M) = (M - s) * (1 - f) / (M + x + b).
 
 Usage: .venv/bin/python benchmarks/preemption.py [--quick]
 The cluster is started (and stopped) here if it is not up; that needs root.
@@ -86,25 +94,77 @@ def wait_gone(env, job: str, timeout: float = 900) -> None:
         time.sleep(0.5)
 
 
-def bench_stop_timeline(env, tmp: Path) -> None:
+def _json(path: Path, want=lambda rec: True, timeout: float = 300) -> dict:
+    """The JSON file at ``path`` once it exists and ``want(rec)`` holds (the run writes it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            rec = json.loads(path.read_text())
+            if want(rec):
+                return rec
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path}: not written as expected within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def restart_phases(stopped: dict, requeued_at: float, before: dict, after: dict) -> list[tuple[str, float, str]]:
+    """(phase, seconds, whose) for one requeue cycle, from the run's own timestamps."""
+    t0 = stopped["stop_received_at"]
+    m = after["marks"]
+    rows = [("signal -> checkpoint committed (every rank stopped at one step)",
+             stopped["checkpoint_committed_at"] - t0, "hpc_train"),
+            ("  -> requeue requested, every rank exited", before["exited"] - stopped["checkpoint_committed_at"],
+             "hpc_train"),
+            ("  -> scontrol requeue issued (batch shell's hook)", requeued_at - before["exited"], "hpc_train"),
+            ("requeue -> next run's job start (Slurm: requeue, pending, schedule)", after["start"] - requeued_at,
+             "Slurm"),
+            ("job start -> rank 0's process start (batch script, srun; whole-second start)",
+             m["process"] - after["start"], "Slurm+submitit"),
+            ("  -> hpc_train worker entered (interpreter, submitit's unpickling)", m["worker"] - m["process"],
+             "hpc_train"),
+            ("  -> torch imported", m["torch"] - m["worker"], "hpc_train"),
+            ("  -> process group ready (rendezvous over 2 nodes)", m["group"] - m["torch"], "hpc_train"),
+            ("  -> model and data built", m["restore"] - m["group"], "hpc_train"),
+            ("  -> checkpoint loaded (chosen, verified, read)", m["loaded"] - m["restore"], "hpc_train"),
+            ("  -> first step done", after["first_step"] - m["loaded"], "hpc_train")]
+    return rows
+
+
+def bench_restart(env, tmp: Path, preemptions: int) -> None:
     run_dir = tmp / "big"
     # 784 x 11000 + 11000 x 10 weights, Adam: ~8.7 M parameters, ~105 MB of state.
     job = submit(env, run_dir, *sets(model__name="mlp", model__hidden=11000, train__max_steps=100000,
                                      train__log_every=10))
-    while steps_done(run_dir) < 30:
-        time.sleep(0.5)
-    preempt(env)
-    stopped = json.loads((run_dir / "stopped.json").read_text())
-    rec = json.loads((run_dir / "requeue.json").read_text())
-    size = sum(p.stat().st_size for p in (run_dir / "checkpoints").glob(f"step-{stopped['steps']}/*"))
-    t0 = stopped["stop_received_at"]
-    print(f"\n1. stop timeline, {size / 1e6:.0f} MB checkpoint, 2 nodes (real preemption by a `high` job):")
-    print(f"   signal -> every rank stopped, checkpoint committed  {stopped['checkpoint_committed_at'] - t0:6.2f} s")
-    print(f"   signal -> requeue requested (rank 0)                {stopped['requeue_requested_at'] - t0:6.2f} s")
-    print(f"   signal -> scontrol requeue issued (batch shell)     {rec['requeued_at'][0] - t0:6.2f} s")
-    print("   signal lead (default --signal=USR2@90)               90.00 s")
-    subprocess.run(["scancel", job], env=env)
-    wait_gone(env, job)
+    cycles = []
+    try:
+        for i in range(preemptions):
+            _json(run_dir / "goodput.json", lambda r: len(r["segments"]) == i + 1
+                  and r["segments"][-1].get("first_step"), timeout=600)
+            target = steps_done(run_dir) + 20
+            while steps_done(run_dir) < target:
+                time.sleep(0.2)
+            preempt(env)
+            stopped = _json(run_dir / "stopped.json", lambda r, n=target: r["steps"] >= n)
+            requeued = _json(run_dir / "requeue.json", lambda r: len(r.get("requeued_at", [])) == i + 1)
+            ledger = _json(run_dir / "goodput.json", lambda r: len(r["segments"]) == i + 2
+                           and r["segments"][-1].get("first_step"), timeout=600)
+            cycles.append(restart_phases(stopped, requeued["requeued_at"][i], ledger["segments"][i],
+                                         ledger["segments"][i + 1]))
+    finally:
+        subprocess.run(["scancel", job], env=env)
+        wait_gone(env, job)
+    size = max(sum(p.stat().st_size for p in d.iterdir()) for d in (run_dir / "checkpoints").glob("step-*"))
+    print(f"\n1. a requeue cycle, {size / 1e6:.0f} MB checkpoint, 2 nodes, real preemption by a `high` job "
+          f"({len(cycles)} cycles; seconds):")
+    print(f"   {'phase':74s}" + "".join(f"{'#' + str(i + 1):>8s}" for i in range(len(cycles))) + "   whose")
+    for j, (name, _, whose) in enumerate(cycles[0]):
+        print(f"   {name:74s}" + "".join(f"{c[j][1]:8.2f}" for c in cycles) + f"   {whose}")
+    own = [sum(v for _, v, w in c if w == "hpc_train") for c in cycles]
+    total = [sum(v for _, v, _ in c) for c in cycles]
+    print(f"   {'hpc_train own share (target <= 5 s)':74s}" + "".join(f"{v:8.2f}" for v in own))
+    print(f"   {'signal -> first step of the next run, in all':74s}" + "".join(f"{v:8.2f}" for v in total))
 
 
 def _sps(run_dir: Path, skip: int) -> float:
@@ -137,20 +197,23 @@ def bench_agreement(tmp: Path, reps: int, steps: int) -> None:
     print(f"   all runs: on {[round(x) for x in on]}, off {[round(x) for x in off]}")
 
 
-def bench_goodput(env, tmp: Path, periods: list[float | None], steps: int) -> None:
-    print(f"\n3. goodput, {steps} steps of the ConvNet on 2 nodes, preempted every M seconds of running:")
-    print(f"   {'M':>6}  {'preemptions':>11}  {'wall s':>7}  {'step s':>7}  goodput")
+def bench_goodput(env, tmp: Path, periods: list[float], steps: int) -> None:
+    print(f"\n3. goodput, {steps} steps of the digits ConvNet on 2 nodes (a checkpoint every 30 s), "
+          f"preempted every M s of running:")
+    print(f"   {'M':>6}  {'preemptions':>11}  {'wall s':>7}  {'ledger wall':>11}  {'goodput':>7}  "
+          f"{'projected':>9}  parts")
+    from hpc_train import goodput
+    fits = []
     for m in periods:
-        run_dir = tmp / f"goodput-{m}"
+        run_dir = tmp / f"goodput-{m:.0f}"
         t0 = time.time()
-        job = submit(env, run_dir, *sets(train__max_steps=steps, train__log_every=50))
+        job = submit(env, run_dir, *sets(train__max_steps=steps, train__log_every=100, checkpoint__every_seconds=30))
         n = 0
         running_since = None
-        while squeue_state(env, job) != "GONE":
-            st = squeue_state(env, job)
+        while (st := squeue_state(env, job)) != "GONE":
             if st == "RUNNING":
                 running_since = running_since or time.monotonic()
-                if m is not None and time.monotonic() - running_since >= m:
+                if time.monotonic() - running_since >= m:
                     preempt(env)
                     n += 1
                     running_since = None
@@ -158,9 +221,30 @@ def bench_goodput(env, tmp: Path, periods: list[float | None], steps: int) -> No
                 running_since = None
             time.sleep(0.2)
         wall = time.time() - t0
-        result = json.loads((run_dir / "result.json").read_text())
-        step_s = result["progress"]["train_time_s"]
-        print(f"   {('none' if m is None else f'{m:.0f}'):>6}  {n:>11}  {wall:7.1f}  {step_s:7.1f}  {step_s / wall:7.2f}")
+        b = goodput.breakdown(run_dir)
+        parts = b["parts"]
+        runs = b["runs"]
+        # Per run: start-up with the load, exit after the signal, the gap to the next run; and
+        # the share of training time blocked by saves. The last run ends by finishing.
+        seg = json.loads((run_dir / goodput.FILE).read_text())["segments"]
+        load = sum(float(s.get("load_s") or 0) for s in seg)
+        block = sum(float(s.get("save_block_s") or 0) for s in seg)
+        fit = {"s": (parts["start-up"] + load) / runs, "x": parts["exit"] / runs,
+               "b": parts["between runs"] / (runs - 1) if runs > 1 else 0.0,
+               "f": block / max(1e-9, parts["training"] + block)}
+        fits.append(fit)
+        proj = projected(m, fit)
+        print(f"   {m:6.0f}  {n:>11}  {wall:7.1f}  {b['wall_s']:11.1f}  {parts['training'] / b['wall_s']:7.3f}  "
+              f"{proj:9.3f}  " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if v))
+    avg = {k: statistics.mean(f[k] for f in fits) for k in fits[0]}
+    print(f"   measured per run: start-up + load s = {avg['s']:.1f} s, exit after the signal x = {avg['x']:.1f} s, "
+          f"between runs b = {avg['b']:.1f} s; checkpoint share of training f = {avg['f']:.4f}")
+    for m, label in ((600.0, "10 minutes"), (4 * 3600.0, "4 hours")):
+        print(f"   projected goodput, a preemption every {label:10s}: {projected(m, avg):.3f}")
+
+
+def projected(m: float, fit: dict[str, float]) -> float:
+    return max(0.0, m - fit["s"]) * (1 - fit["f"]) / (m + fit["x"] + fit["b"])
 
 
 def main() -> int:
@@ -169,11 +253,10 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as d:
         tmp = Path(d)
-        bench_agreement(tmp, reps=3 if args.quick else 7, steps=120 if args.quick else 250)
         with local_cluster() as env:
-            bench_stop_timeline(env, tmp)
-            bench_goodput(env, tmp, [None, 40.0, 20.0] if not args.quick else [None, 30.0],
-                          steps=1500 if args.quick else 3000)
+            bench_restart(env, tmp, preemptions=1 if args.quick else 2)
+            bench_goodput(env, tmp, [30.0] if args.quick else [60.0, 120.0], steps=1500 if args.quick else 6000)
+        bench_agreement(tmp, reps=3 if args.quick else 7, steps=120 if args.quick else 250)
     return 0
 
 

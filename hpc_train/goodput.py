@@ -31,6 +31,19 @@ FILE = "goodput.json"
 PARTS = ("training", "redone", "start-up", "checkpoint", "exit", "between runs")
 
 
+# Start-up milestones of this process (time.time()), set as they pass (see :func:`mark`); the
+# ledger copies them into its segment so a restart's phases can be read back per run.
+_marks: dict[str, float] = {}
+
+
+def mark(name: str) -> None:
+    """Record that start-up milestone ``name`` passed now (the first time only). Milestones:
+    ``worker`` (hpc_train's worker entered: interpreter and launcher done), ``torch`` (torch
+    imported), ``group`` (process group ready), ``restore`` (restore called: model and data
+    built), ``loaded`` (checkpoint loaded). The first step is the segment's ``first_step``."""
+    _marks.setdefault(name, time.time())
+
+
 def process_start_time() -> float:
     """When this job incarnation started: Slurm's job start, else this process's start (so
     interpreter start-up and imports count as start-up), else now."""
@@ -40,6 +53,11 @@ def process_start_time() -> float:
             return float(env)
         except ValueError:
             pass
+    return own_start_time()
+
+
+def own_start_time() -> float:
+    """This process's start (from /proc, 10 ms resolution), else now."""
     try:
         # /proc/self/stat field 22: the start, in clock ticks after boot; /proc/uptime: now, after
         # boot (10 ms resolution; /proc/stat's btime is whole seconds, too coarse to subtract).
@@ -103,7 +121,8 @@ class Ledger:
         self.rec.setdefault("first_submit", _first_submit(self.run_dir, started))
         self.seg: dict[str, Any] = {"start": started, "first_step": None, "end": None, "load_s": 0.0,
                                     "save_block_s": 0.0, "redone_s": 0.0, "redone_steps": 0, "step_from": None,
-                                    "step_to": None, "closed": False}
+                                    "step_to": None, "closed": False,
+                                    "marks": {"process": round(own_start_time(), 3)}}
         self.rec["segments"].append(self.seg)
 
     def restored(self, step: int, load_s: float) -> None:
@@ -111,6 +130,8 @@ class Ledger:
         that this one trains again (charged to the segment that trained them)."""
         self.seg["load_s"] = round(load_s, 4)
         self.seg["step_from"] = step
+        mark("loaded")
+        self.seg["marks"].update({k: round(v, 3) for k, v in _marks.items()})
         n, span, last = dropped_steps(self.run_dir / "metrics.jsonl", step)
         prev = self.rec["segments"][-2] if len(self.rec["segments"]) > 1 else None
         if prev is not None:
@@ -125,6 +146,8 @@ class Ledger:
             self.seg["first_step"] = time.time()
             if self.seg["step_from"] is None:
                 self.seg["step_from"] = step - 1
+            self.seg["step_to"] = step
+            self._write()   # once per run: the restart's last phase is on disk as soon as it ends
         self.seg["step_to"] = step
 
     def saved(self, blocked_s: float) -> None:

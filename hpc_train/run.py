@@ -179,10 +179,11 @@ class Run:
         re-reading every file would multiply the I/O by the world size. If the chosen checkpoint
         fails to load on any rank, every rank moves on together to the next older one that
         rank 0 verifies, until one loads or none is left."""
-        from hpc_train import checkpoint, resume
+        from hpc_train import checkpoint, goodput, resume
         kinds = self._kinds(state)
         self.stop.listening = True   # code that restores will call step_end: a stop waits for it
         t_load = time.time()
+        goodput.mark("restore")
         spec = os.environ.get("HPC_TRAIN_RESUME", "latest")
         source: resume.CkptInfo | None = None
         plan_error: Exception | None = None

@@ -37,6 +37,8 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     if isinstance(cfg, dict):
         cfg = config_mod.from_dict(cfg)
     rd = Path(run_dir) if run_dir else cfg.resolved_run_dir()
+    from hpc_train import goodput
+    goodput.mark("worker")
     from hpc_train.preemption import StopRequest, stop_signals
     # Stop signals first: one that arrives during start-up is then recorded, not fatal.
     stop = StopRequest()
@@ -154,6 +156,7 @@ def _call_fn(fn: Callable[..., Any], cfg: Config, env: environment.NodeEnv, devi
 
 def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, args: tuple, kwargs: dict) -> Any:
     from hpc_train import distributed   # imports torch: only on the training path
+    from hpc_train import goodput
     from hpc_train import resume as resume_mod
     from hpc_train import run as run_mod
     from hpc_train.preemption import StopRun
@@ -162,8 +165,10 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
         # A finished run never trains again, whether requeued or resubmitted.
         log.info("%s holds a finished run (result.json); not training again", rd)
         return json.loads((rd / rundir.RESULT).read_text())
+    goodput.mark("torch")
     log_placement(env)
     device = distributed.init(env, cfg.dist)
+    goodput.mark("group")
     run = run_mod.start(cfg, env, rd, stop, device)
     trainer = None
     clean = False

@@ -88,3 +88,11 @@ def test_a_graceful_stop_redoes_nothing(tmp_path):
     assert [s["redone_steps"] for s in rec["segments"]] == [0, 0]
     assert all(s["closed"] for s in rec["segments"])
     assert rec["segments"][0]["save_block_s"] > 0       # the stop's save blocked, and is counted
+    # Each run's start-up milestones, in the order they pass (benchmarks/preemption.py reads them
+    # as the restart's phases): process start, worker, torch, group, restore, loaded, first step.
+    for s in rec["segments"]:
+        m = s["marks"]
+        order = [s["start"], m["process"], m["worker"], m["torch"], m["group"], m["restore"], m["loaded"],
+                 s["first_step"]]
+        assert order == sorted(order), s
+        assert s["first_step"] - s["start"] < 120
