@@ -180,3 +180,16 @@ def test_user_plugins_and_gradient_accumulation(run_cli, clean_env, run_dir, tmp
     assert [m["step"] for m in metrics if "eval_acc" in m] == [steps // 2, steps]
     log0 = (run_dir / "logs" / "rank-0.log").read_text()
     assert f"model {PLUGINS}:tiny_model" in log0 and f"{steps // 2} steps/epoch" in log0
+
+
+def test_digits_are_read_exactly_as_scikit_learn_loads_them():
+    # data.py reads scikit-learn's digits file without importing scikit-learn (a restart's
+    # start-up cost); the arrays must be the ones load_digits returns, bit for bit.
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from hpc_train import data
+    images, target = data._digits_arrays()
+    ref = load_digits()
+    assert images.dtype == ref.images.dtype and np.array_equal(images, ref.images)
+    assert target.dtype == ref.target.dtype and np.array_equal(target, ref.target)
