@@ -113,9 +113,9 @@ class Agreement:
     ``[stop requested, timed checkpoint due, *values]`` where ``values`` are optional sums the
     loop staged (the built-in trainer's loss sum, correct, count).
 
-    Under DDP (:meth:`attach`) it rides on the gradient all-reduce: a comm hook appends these
-    values to bucket 0, so stopping together costs no extra collective and no extra
-    synchronisation. The flags are read inside the hook, during the step's last backward,
+    Under DDP (:meth:`attach`) it rides on the gradient all-reduce: a comm hook reduces these
+    values beside bucket 0, so stopping together costs no extra synchronisation. The flags
+    are read inside the hook, during the step's last backward,
     and the sums read after it. Without DDP, or when no synced backward ran since the last
     :meth:`collect`, it is one small all-reduce. The hook averages gradients exactly as DDP's
     built-in one does (divide, then sum), so the weights are bitwise those of plain DDP.
@@ -162,11 +162,15 @@ def _agreement_hook(state: Agreement, bucket):
     grads.div_(dist.get_world_size())             # what DDP's built-in hook does first
     if bucket.index() != 0:
         return dist.all_reduce(grads, async_op=True).get_future().then(lambda f: f.value()[0])
-    n = grads.numel()
-    buf = torch.cat([grads.flatten(), state._values(grads.device, grads.dtype)])
+    # Bucket 0 also carries the agreement, as its own small all-reduce issued just before the
+    # gradients' (both async, same order on every rank): gloo runs the two side by side, so it
+    # adds no round trip, and the bucket is reduced in place (appending the values to the bucket
+    # meant copying every gradient in it twice per step).
+    values = state._values(grads.device, grads.dtype)
+    agreed = dist.all_reduce(values, async_op=True).get_future()
+    reduced = dist.all_reduce(grads, async_op=True).get_future()
 
-    def split(fut):
-        out = fut.value()[0]
-        state._result = out[n:].clone()
-        return out[:n]
-    return dist.all_reduce(buf, async_op=True).get_future().then(split)
+    def done(fut):
+        state._result = values
+        return fut.value()[1].value()[0]
+    return torch.futures.collect_all([agreed, reduced]).then(done)
