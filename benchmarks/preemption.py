@@ -118,10 +118,8 @@ def restart_phases(stopped: dict, requeued_at: float, before: dict, after: dict)
             ("  -> requeue requested, every rank exited", before["exited"] - stopped["checkpoint_committed_at"],
              "hpc_train"),
             ("  -> scontrol requeue issued (batch shell's hook)", requeued_at - before["exited"], "hpc_train"),
-            ("requeue -> next run's job start (Slurm: requeue, pending, schedule)", after["start"] - requeued_at,
-             "Slurm"),
-            ("job start -> rank 0's process start (batch script, srun; whole-second start)",
-             m["process"] - after["start"], "Slurm+submitit"),
+            ("requeue -> rank 0's process start (Slurm: requeue, pending, schedule, batch script, srun)",
+             m["process"] - requeued_at, "Slurm"),
             ("  -> hpc_train worker entered (interpreter, submitit's unpickling)", m["worker"] - m["process"],
              "hpc_train"),
             ("  -> torch imported", m["torch"] - m["worker"], "hpc_train"),
@@ -158,13 +156,13 @@ def bench_restart(env, tmp: Path, preemptions: int) -> None:
     size = max(sum(p.stat().st_size for p in d.iterdir()) for d in (run_dir / "checkpoints").glob("step-*"))
     print(f"\n1. a requeue cycle, {size / 1e6:.0f} MB checkpoint, 2 nodes, real preemption by a `high` job "
           f"({len(cycles)} cycles; seconds):")
-    print(f"   {'phase':74s}" + "".join(f"{'#' + str(i + 1):>8s}" for i in range(len(cycles))) + "   whose")
+    print(f"   {'phase':80s}" + "".join(f"{'#' + str(i + 1):>8s}" for i in range(len(cycles))) + "   whose")
     for j, (name, _, whose) in enumerate(cycles[0]):
-        print(f"   {name:74s}" + "".join(f"{c[j][1]:8.2f}" for c in cycles) + f"   {whose}")
+        print(f"   {name:80s}" + "".join(f"{c[j][1]:8.2f}" for c in cycles) + f"   {whose}")
     own = [sum(v for _, v, w in c if w == "hpc_train") for c in cycles]
     total = [sum(v for _, v, _ in c) for c in cycles]
-    print(f"   {'hpc_train own share (target <= 5 s)':74s}" + "".join(f"{v:8.2f}" for v in own))
-    print(f"   {'signal -> first step of the next run, in all':74s}" + "".join(f"{v:8.2f}" for v in total))
+    print(f"   {'hpc_train own share (target <= 5 s)':80s}" + "".join(f"{v:8.2f}" for v in own))
+    print(f"   {'signal -> first step of the next run, in all':80s}" + "".join(f"{v:8.2f}" for v in total))
 
 
 def _sps(run_dir: Path, skip: int) -> float:

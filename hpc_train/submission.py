@@ -40,7 +40,7 @@ class SlurmEntry:
     def __call__(self) -> Any:
         import signal
 
-        from hpc_train.worker import exit_now, run_worker
+        from hpc_train.worker import exit_done, exit_now, run_worker
         os.environ.setdefault("HPC_TRAIN_RESUME", self.resume)
         # submitit installed its own handler for its signal (rank-0-only checkpoint, then exit).
         # One component owns the stop signals: hpc_train's worker installs the job's; any other
@@ -58,8 +58,9 @@ class SlurmEntry:
         if requeue.requested(Path(self.run_dir)):
             # Leave without a result (as submitit itself does when it requeues): the job is
             # about to be requeued by the batch shell, and the submitting side's Job must
-            # see the result of the run that finishes, not of this stopped one.
-            raise SystemExit(0)
+            # see the result of the run that finishes, not of this stopped one. Without the
+            # interpreter's teardown: it delays the requeue (see exit_done).
+            exit_done(0)
         return result
 
 

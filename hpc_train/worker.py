@@ -237,7 +237,20 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(cfg, args.run_dir or os.path.dirname(os.path.abspath(args.config)))
     except BaseException as e:  # noqa: BLE001 - the error is already in the rank's log and error file
         exit_now(130 if isinstance(e, KeyboardInterrupt) else 2 if isinstance(e, UsageError) else 1)
-    return 0   # a stop is a clean exit too: the launcher or the batch shell decides what follows
+    exit_done(0)   # a stop is a clean exit too: the launcher or the batch shell decides what follows
+    return 0
+
+
+def exit_done(code: int) -> None:
+    """Leave after the work is done and every file is written: the process's exit handlers run
+    (the user's included: a logger's atexit finish), then the interpreter's teardown is skipped.
+    With torch, torch._dynamo (DDP imports it) and DCP loaded, that teardown alone takes 1.2-1.3 s
+    per process here, and on a stop it sits between the committed checkpoint and the requeue."""
+    import atexit
+    atexit._run_exitfuncs()   # what a normal exit runs first (logging.shutdown among them)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def exit_now(code: int) -> None:
