@@ -5,7 +5,7 @@
 
 ``ddp`` (default)
     DistributedDataParallel: one process per device, gradients all-reduced in buckets while
-    backward runs. The step's stop agreement rides on its first bucket (no extra collective).
+    backward runs. The step's stop agreement is reduced beside its first bucket (no extra sync).
 ``fsdp``
     FSDP2 ``fully_shard``: parameters, gradients and optimizer state sharded over the ranks.
     Checkpoints are sharded DTensors in DCP, resharded on load at another world size. The stop
