@@ -124,11 +124,13 @@ class Agreement:
     def __init__(self, multi: bool, flags: Callable[[], list[float]]) -> None:
         self.multi, self.flags = multi, flags
         self._staged = None
-        self._result = None
+        self._inflight = None   # (work, values) of the agreement reduced beside DDP's bucket 0
         self.hooked = False
 
     def attach(self, ddp_module) -> None:
         if self.multi and not self.hooked:
+            import torch.distributed as dist
+            self.world = dist.get_world_size()
             ddp_module.register_comm_hook(self, _agreement_hook)
             self.hooked = True
 
@@ -145,8 +147,11 @@ class Agreement:
         """The summed values (a CPU float64 tensor); call after the step's last backward."""
         import torch
         import torch.distributed as dist
-        result = self._result
-        self._result = None
+        result = None
+        if self._inflight is not None:
+            work, result = self._inflight
+            self._inflight = None
+            work.wait()
         if result is None:
             result = self._values(device, torch.float32 if self._staged is None else self._staged.dtype)
             if self.multi:
@@ -156,21 +161,20 @@ class Agreement:
 
 
 def _agreement_hook(state: Agreement, bucket):
-    import torch
     import torch.distributed as dist
     grads = bucket.buffer()
-    grads.div_(dist.get_world_size())             # what DDP's built-in hook does first
+    grads.div_(state.world)                        # what DDP's built-in hook does first
     if bucket.index() != 0:
-        return dist.all_reduce(grads, async_op=True).get_future().then(lambda f: f.value()[0])
+        return dist.all_reduce(grads, async_op=True).get_future().then(_first)
     # Bucket 0 also carries the agreement, as its own small all-reduce issued just before the
     # gradients' (both async, same order on every rank): gloo runs the two side by side, so it
     # adds no round trip, and the bucket is reduced in place (appending the values to the bucket
-    # meant copying every gradient in it twice per step).
+    # meant copying every gradient in it twice per step). collect() waits for it.
     values = state._values(grads.device, grads.dtype)
-    agreed = dist.all_reduce(values, async_op=True).get_future()
-    reduced = dist.all_reduce(grads, async_op=True).get_future()
+    state._inflight = (dist.all_reduce(values, async_op=True), values)
+    return dist.all_reduce(grads, async_op=True).get_future().then(_first)
 
-    def done(fut):
-        state._result = values
-        return fut.value()[1].value()[0]
-    return torch.futures.collect_all([agreed, reduced]).then(done)
+
+def _first(fut):
+    # A Python comm hook's future must hold a Python object (DDP asserts it): the bucket tensor.
+    return fut.value()[0]

@@ -151,7 +151,7 @@ class GradAverager:
         for work, flat, grads, n, first in pending:
             work.wait()
             if first:
-                self.agreement._result = flat[n:].clone()
+                self.agreement._inflight = (work, flat[n:].clone())   # collect() reads it
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
