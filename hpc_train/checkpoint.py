@@ -147,18 +147,6 @@ def _dcp_state(state: Mapping[str, Any], kinds: dict[str, str], copy_buffers: bo
     return out
 
 
-def _tensor_bytes(tree: Any) -> int:
-    """Bytes of the tensors in a nested dict/list (this rank's local shards for DTensors)."""
-    if isinstance(tree, torch.Tensor):
-        t = tree.to_local() if hasattr(tree, "to_local") else tree
-        return t.numel() * t.element_size()
-    if isinstance(tree, Mapping):
-        return sum(_tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
-    return 0
-
-
 def _plain_of(key: str, obj: Any) -> Any:
     sd = obj.state_dict()
     if not is_plain(sd):
@@ -259,12 +247,11 @@ class Checkpointer:
         if overlap:
             self._hook_optimizers(state, kinds)
         dcp_state = _dcp_state(state, kinds, copy_buffers=overlap)
-        # IO_THREADS writer threads per rank for a large state: one thread's fsync overlaps another's
-        # serialization (234 MB, 2 ranks, 2 cores: fsync'd saves 15-35% faster than DCP's default of 1;
-        # benchmarks/checkpoint.py). A small one gains nothing from a second file and thread, and
-        # pays for them at every save (14 MB: 37 ms of save work with 2, 34 ms with 1).
-        threads = IO_THREADS if _tensor_bytes(dcp_state) >= 64 << 20 else 1
-        writer = dcp.FileSystemWriter(str(path), thread_count=threads, sync_files=True)
+        # IO_THREADS writer threads per rank: one thread's fsync overlaps another's serialization
+        # (234 MB, 2 ranks, 2 cores: fsync'd saves 15-35% faster than DCP's default of 1;
+        # benchmarks/checkpoint.py). For a 14 MB state, one thread measured no better (4
+        # interleaved runs of benchmarks/overhead.py with a save every 10 steps: 0.97x).
+        writer = dcp.FileSystemWriter(str(path), thread_count=IO_THREADS, sync_files=True)
         kw = dict(storage_writer=writer, process_group=self.pg, no_dist=self.no_dist)
         if self.cfg.async_save and not blocking:
             if self.stager is not None and self._stager_overlaps != overlap:
