@@ -61,6 +61,7 @@ class SlurmEntry:
             # see the result of the run that finishes, not of this stopped one. Without the
             # interpreter's teardown: it delays the requeue (see exit_done).
             exit_done(0)
+            raise SystemExit(0)
         return result
 
 

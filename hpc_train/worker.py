@@ -245,8 +245,13 @@ def exit_done(code: int) -> None:
     """Leave after the work is done and every file is written: the process's exit handlers run
     (the user's included: a logger's atexit finish), then the interpreter's teardown is skipped.
     With torch, torch._dynamo (DDP imports it) and DCP loaded, that teardown alone takes 1.2-1.3 s
-    per process here, and on a stop it sits between the committed checkpoint and the requeue."""
+    per process here, and on a stop it sits between the committed checkpoint and the requeue.
+    Returns instead (a normal, slower exit follows) while a non-daemon thread of the user's code
+    still runs: a normal exit waits for it, and leaving now would cut it off."""
     import atexit
+    import threading
+    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        return
     atexit._run_exitfuncs()   # what a normal exit runs first (logging.shutdown among them)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -257,3 +257,15 @@ def bad_state():
     else:
         state = {"model": model, "loader": torch.utils.data.DataLoader(list(range(8))), "step": 0}
     run.restore(state)
+
+
+def leaves_a_thread(cfg, env, device):
+    """A train.fn whose code returns while its own non-daemon thread still works (an uploader,
+    say): the process must wait for it, as Python's own exit would."""
+    import threading
+
+    def upload():
+        time.sleep(2.0)
+        Path(cfg.run_dir, f"uploaded-rank{env.rank}").write_text("done")
+    threading.Thread(target=upload).start()
+    return {"ok": True}
