@@ -142,13 +142,12 @@ class Ledger:
         self._write()
 
     def step(self, step: int) -> None:
+        self.seg["step_to"] = step
         if self.seg["first_step"] is None:
             self.seg["first_step"] = time.time()
             if self.seg["step_from"] is None:
                 self.seg["step_from"] = step - 1
-            self.seg["step_to"] = step
             self._write()   # once per run: the restart's last phase is on disk as soon as it ends
-        self.seg["step_to"] = step
 
     def saved(self, blocked_s: float) -> None:
         self.seg["save_block_s"] = round(self.seg["save_block_s"] + blocked_s, 4)

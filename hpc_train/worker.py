@@ -253,9 +253,7 @@ def exit_done(code: int) -> None:
     if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
         return
     atexit._run_exitfuncs()   # what a normal exit runs first (logging.shutdown among them)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 def exit_now(code: int) -> None:
