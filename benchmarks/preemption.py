@@ -248,13 +248,21 @@ def projected(m: float, fit: dict[str, float]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["restart", "goodput", "agreement"], help="one section (default: all three)")
+    ap.add_argument("--cycles", type=int, default=None, help="preemptions in the restart section (default 2; quick 1)")
     args = ap.parse_args()
+    want = {args.only} if args.only else {"restart", "goodput", "agreement"}
     with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as d:
         tmp = Path(d)
-        with local_cluster() as env:
-            bench_restart(env, tmp, preemptions=1 if args.quick else 2)
-            bench_goodput(env, tmp, [30.0] if args.quick else [60.0, 120.0], steps=1500 if args.quick else 6000)
-        bench_agreement(tmp, reps=3 if args.quick else 7, steps=120 if args.quick else 250)
+        if want & {"restart", "goodput"}:
+            with local_cluster() as env:
+                if "restart" in want:
+                    bench_restart(env, tmp, preemptions=args.cycles or (1 if args.quick else 2))
+                if "goodput" in want:
+                    bench_goodput(env, tmp, [30.0] if args.quick else [60.0, 120.0],
+                                  steps=1500 if args.quick else 6000)
+        if "agreement" in want:
+            bench_agreement(tmp, reps=3 if args.quick else 7, steps=120 if args.quick else 250)
     return 0
 
 

@@ -118,13 +118,17 @@ def _set_timeout(timeout: timedelta) -> None:
         log.debug("could not shorten the process group timeout; keeping the init timeout")
 
 
-def shutdown(clean: bool = True) -> None:
+def shutdown(clean: bool = True, destroy: bool = True) -> None:
     """Destroy the group without the gloo exit hang (see the module docstring).
 
     The caller must drop its own references to DDP-wrapped models first. After an error
     (``clean=False``) there is no barrier: the peers are blocked in some other collective, and
     waiting for them would hang this rank for the whole collective timeout instead of letting
-    it exit so the launcher (or srun) can stop the rest.
+    it exit so the launcher (or srun) can stop the rest. ``destroy=False``: only the barrier;
+    the process leaves through ``os._exit`` (hpc_train's worker), which runs no destructor that
+    could hang, so the collection and the destroy (0.15-0.2 s per rank with torch._dynamo loaded:
+    between a stop's checkpoint and the requeue) are skipped; :func:`release` does them if it
+    must exit normally after all.
     """
     if not dist.is_initialized():
         return
@@ -134,6 +138,13 @@ def shutdown(clean: bool = True) -> None:
         dist.barrier()
     except Exception:  # noqa: BLE001 - peers may be gone already; destroying is still right
         log.warning("barrier at shutdown failed; peers may have exited")
-    gc.collect()
-    dist.destroy_process_group()
+    if destroy:
+        release()
 
+
+def release() -> None:
+    """Collect garbage (no DDP reducer may outlive the group), then destroy the group."""
+    if dist.is_initialized():
+        gc.unfreeze()   # what start-up made, DDP included, was frozen (see goodput.resume_gc)
+        gc.collect()
+        dist.destroy_process_group()

@@ -21,6 +21,7 @@ end (kill -9, node loss) ends at its last ``metrics.jsonl`` line. Torch-free: ``
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -42,6 +43,36 @@ def mark(name: str) -> None:
     imported), ``group`` (process group ready), ``restore`` (restore called: model and data
     built), ``loaded`` (checkpoint loaded). The first step is the segment's ``first_step``."""
     _marks.setdefault(name, time.time())
+
+
+_gc_paused = False
+
+
+def pause_gc() -> None:
+    """Turn the cyclic garbage collector off for start-up (until :func:`resume_gc`), in
+    processes hpc_train started (its worker), never in a user's own interpreter. Importing torch
+    and ``torch._dynamo`` (DDP and every optimizer import it) creates about half a million
+    long-lived objects, and the collector rescans the growing heap again and again while they
+    pile up: importing torch, torch._dynamo and DCP took 2.6-3.1 s with it and 1.8-2.4 s without
+    (3 runs each, this machine)."""
+    global _gc_paused
+    if gc.isenabled():
+        gc.disable()
+        _gc_paused = True
+
+
+def resume_gc() -> None:
+    """Start-up is over (the checkpoint is restored, or the user's code is about to run): what
+    start-up made is frozen (``gc.freeze``: kept out of every later collection, so it is never
+    rescanned), then the collector runs as usual. A full collection instead would scan it all
+    once more: 0.36-0.40 s per rank (478 k objects, 105 MB MLP resumed). The cost is that
+    start-up's own garbage cycles are never freed: 8.7 k small objects measured (functions,
+    tuples, types; no tensor data). A no-op unless :func:`pause_gc` turned the collector off."""
+    global _gc_paused
+    if _gc_paused:
+        _gc_paused = False
+        gc.freeze()
+        gc.enable()
 
 
 def process_start_time() -> float:

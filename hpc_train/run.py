@@ -226,6 +226,7 @@ class Run:
                      "" if saved == self.world_size else
                      f" (saved at world size {saved}, now {self.world_size}: resharded)")
         self._start_step = state["step"] if source is not None else 0
+        goodput.resume_gc()   # start-up ends here (a worker turned the collector off for it)
         ledger = self._ledger()
         if ledger is not None:
             ledger.restored(self._start_step, time.time() - t_load if source is not None else 0.0)

@@ -49,12 +49,13 @@ class SlurmEntry:
             signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         if self.fn is None:
             try:
-                result = run_worker(self.cfg, self.run_dir)
+                result = run_worker(self.cfg, self.run_dir, leaving=True)
             except Exception:  # noqa: BLE001 - logged by run_worker; see exit_now for why not raise
                 exit_now(1)
         else:
             # A callable's own exception goes back to the submitting side's Job, as submitit does.
-            result = run_worker(self.cfg, self.run_dir, target=self.fn, args=self.args, kwargs=self.kwargs)
+            result = run_worker(self.cfg, self.run_dir, target=self.fn, args=self.args, kwargs=self.kwargs,
+                                leaving=True)
         if requeue.requested(Path(self.run_dir)):
             # Leave without a result (as submitit itself does when it requeues): the job is
             # about to be requeued by the batch shell, and the submitting side's Job must
@@ -62,6 +63,10 @@ class SlurmEntry:
             # interpreter's teardown: it delays the requeue (see exit_done).
             exit_done(0)
             raise SystemExit(0)
+        # submitit now pickles the result and exits normally: the group must go first (see
+        # hpc_train.distributed.shutdown; run_worker left it for a fast exit).
+        if "hpc_train.distributed" in sys.modules:
+            sys.modules["hpc_train.distributed"].release()
         return result
 
 

@@ -30,10 +30,13 @@ log = logging.getLogger("hpc_train")
 
 
 def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
-               target: Callable[..., Any] | None = None, args: tuple = (), kwargs: dict | None = None) -> Any:
+               target: Callable[..., Any] | None = None, args: tuple = (), kwargs: dict | None = None,
+               leaving: bool = False) -> Any:
     """Run this process's share of the job: the built-in trainer, ``train.fn``, ``target(*args,
     **kwargs)`` or, under supervision, ``train.script``. Returns the trainer's result dict (the
-    same on every rank) or the callable's return value."""
+    same on every rank) or the callable's return value. ``leaving``: the caller ends the process
+    through :func:`exit_done` or :func:`exit_now`, so the process group is left for the exit to
+    release (see :func:`hpc_train.distributed.shutdown`)."""
     if isinstance(cfg, dict):
         cfg = config_mod.from_dict(cfg)
     rd = Path(run_dir) if run_dir else cfg.resolved_run_dir()
@@ -64,7 +67,8 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
         if cfg.train.script and target is None:
             from hpc_train.supervise import supervise
             return supervise(cfg, env, rd, stop)
-        return _run(cfg, env, rd, stop, target, args, kwargs or {})
+        goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code
+        return _run(cfg, env, rd, stop, target, args, kwargs or {}, leaving)
     except BaseException as e:
         if type(e).__name__ == "ScriptFailed":    # its error file is written, naming rank and host
             raise
@@ -154,7 +158,8 @@ def _call_fn(fn: Callable[..., Any], cfg: Config, env: environment.NodeEnv, devi
     return fn() if not required else fn(cfg, env, device)
 
 
-def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, args: tuple, kwargs: dict) -> Any:
+def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, args: tuple, kwargs: dict,
+         leaving: bool) -> Any:
     from hpc_train import distributed   # imports torch: only on the training path
     from hpc_train import goodput
     from hpc_train import resume as resume_mod
@@ -176,10 +181,13 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
     try:
         try:
             if target is not None:
+                goodput.resume_gc()   # the user's code runs with the collector as they expect
                 out = target(*args, **kwargs)
             elif cfg.train.fn:
                 from hpc_train.plugins import resolve
-                out = _call_fn(resolve(cfg.train.fn, "train.fn"), cfg, env, device)
+                fn = resolve(cfg.train.fn, "train.fn")
+                goodput.resume_gc()
+                out = _call_fn(fn, cfg, env, device)
             else:
                 from hpc_train.trainer import Trainer
                 stop.listening = True   # the built-in loop acts on stops at its next step_end
@@ -206,7 +214,7 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
             if clean:
                 raise
         run_mod._current = None
-        distributed.shutdown(clean)
+        distributed.shutdown(clean, destroy=not leaving)
 
 
 def stopped_without_checkpoint(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any) -> None:
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = config_mod.load(args.config)
     try:
-        run_worker(cfg, args.run_dir or os.path.dirname(os.path.abspath(args.config)))
+        run_worker(cfg, args.run_dir or os.path.dirname(os.path.abspath(args.config)), leaving=True)
     except BaseException as e:  # noqa: BLE001 - the error is already in the rank's log and error file
         exit_now(130 if isinstance(e, KeyboardInterrupt) else 2 if isinstance(e, UsageError) else 1)
     exit_done(0)   # a stop is a clean exit too: the launcher or the batch shell decides what follows
@@ -251,6 +259,8 @@ def exit_done(code: int) -> None:
     import atexit
     import threading
     if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        if "hpc_train.distributed" in sys.modules:
+            sys.modules["hpc_train.distributed"].release()   # the normal exit needs it released first
         return
     atexit._run_exitfuncs()   # what a normal exit runs first (logging.shutdown among them)
     exit_now(code)

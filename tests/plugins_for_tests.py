@@ -269,3 +269,12 @@ def leaves_a_thread(cfg, env, device):
         Path(cfg.run_dir, f"uploaded-rank{env.rank}").write_text("done")
     threading.Thread(target=upload).start()
     return {"ok": True}
+
+
+def reports_gc(cfg, env, device):
+    """A train.fn that records whether Python's cyclic collector is on while the user's code
+    runs (the worker turns it off for its own start-up only)."""
+    import gc
+    import json
+    Path(cfg.run_dir, f"gc-rank{env.rank}.json").write_text(json.dumps({"enabled": gc.isenabled()}))
+    return {"ok": True}

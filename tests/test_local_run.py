@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -202,3 +203,35 @@ def test_a_non_daemon_thread_of_the_users_code_is_waited_for_at_exit(run_cli, ru
                 "--set", f"train.fn={PLUGINS}:leaves_a_thread", timeout=120)
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in run_dir.glob("uploaded-rank*")) == ["uploaded-rank0", "uploaded-rank1"]
+
+
+def test_the_users_code_runs_with_the_garbage_collector_on(run_cli, run_dir, smoke):
+    # The worker turns Python's cyclic collector off while torch imports (goodput.pause_gc); the
+    # user's callable must get it back on, or its reference cycles would never be freed.
+    r = run_cli("run", "jobs/digits.yaml", "--nproc", "2", "--run-dir", run_dir, *smoke,
+                "--set", f"train.fn={PLUGINS}:reports_gc", timeout=120)
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        assert json.loads((run_dir / f"gc-rank{rank}.json").read_text()) == {"enabled": True}
+
+
+def test_start_up_pauses_the_collector_and_freezes_what_it_made():
+    # In a fresh interpreter: pytest's own collector state must not change.
+    code = """
+import gc
+from hpc_train import goodput
+goodput.resume_gc()                      # never paused: a no-op
+assert gc.isenabled() and gc.get_freeze_count() == 0
+goodput.pause_gc()
+assert not gc.isenabled()
+made = [[i] for i in range(1000)]        # start-up's objects
+goodput.resume_gc()
+assert gc.isenabled() and gc.get_freeze_count() >= 1000
+gc.disable()                             # a collector the user turned off stays theirs
+goodput.pause_gc(); goodput.resume_gc()
+assert not gc.isenabled()
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
