@@ -11,6 +11,7 @@ loop hand-written with plain DDP, in one run.
   (DDP with the stop agreement riding on its all-reduce), ``run.loader``, ``run.log`` every step
   (metrics.jsonl; TensorBoard off, as the hand-written loop has none), ``run.step_end`` every step,
   and an async DCP checkpoint every 100 steps.
+* **Run, checkpoints off**: the same without saves, which tells the saves' share of the gap.
 
 Both sides stamp rank 0's wall clock once per step; the rate is global samples over the steps
 after ``warmup`` (steady state), and the median step (robust to neighbours). Variants run
@@ -102,12 +103,13 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def run_api(steps: int, work: Path, tag: str) -> list[float]:
+def run_api(steps: int, work: Path, tag: str, every: int | None = 100) -> list[float]:
     rd = work / f"run-{tag}"
+    ckpt = f"checkpoint.every_steps={every}" if every else "checkpoint.enabled=false"
     r = subprocess.run([sys.executable, "-m", "hpc_train", "run", "--script", str(ROOT / "jobs" / "charlm.py"),
                         "--nproc", str(WORLD), "--run-dir", str(rd), "--set", f"seed={SEED}",
                         "--set", f"data.batch_size={BATCH}", "--set", "log.tensorboard=false",
-                        "--set", "checkpoint.every_steps=100", "--", "--steps", str(steps)],
+                        "--set", ckpt, "--", "--steps", str(steps)],
                        cwd=ROOT, env=_clean_env(), capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"hpc_train run failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=50)
     args = ap.parse_args(argv)
-    variants = {"hand": "hand-written DDP loop", "run": "Run API (jobs/charlm.py), async ckpt every 100"}
+    variants = {"hand": "hand-written DDP loop", "run": "Run API (jobs/charlm.py), async ckpt every 100",
+                "run_off": "Run API, checkpoints off (what the saves cost)"}
     steady: dict[str, list[float]] = {k: [] for k in variants}
     typical: dict[str, list[float]] = {k: [] for k in variants}
     print(f"char-level MLP (jobs/charlm.py), batch {BATCH}/rank x {WORLD} ranks (gloo, 1 thread/rank), "
@@ -163,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         for rep in range(args.reps):
             for key in variants:
-                stamps = run_hand(args.steps, work) if key == "hand" else run_api(args.steps, work, f"{rep}")
+                stamps = (run_hand(args.steps, work) if key == "hand" else
+                          run_api(args.steps, work, f"{rep}") if key == "run" else
+                          run_api(args.steps, work, f"{rep}-off", every=None))
                 w = args.warmup
                 steady[key].append((len(stamps) - w) * BATCH * WORLD / (stamps[-1] - stamps[w - 1]))
                 typical[key].append(BATCH * WORLD / statistics.median(
@@ -173,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         cost = measure_step_end(work)
     for title, table in (("steady-state samples/s", steady), ("samples/s of the median step", typical)):
         med = {k: statistics.median(v) for k, v in table.items()}
-        print(f"\n{title}: hand-written {med['hand']:.0f}, Run {med['run']:.0f}, ratio {med['run'] / med['hand']:.3f}")
+        print(f"\n{title}: hand-written {med['hand']:.0f}, Run {med['run']:.0f}, ratio {med['run'] / med['hand']:.3f}; "
+              f"checkpoints off {med['run_off']:.0f}, ratio {med['run_off'] / med['hand']:.3f}")
     ratio = statistics.median(steady["run"]) / statistics.median(steady["hand"])
     print(f"\nRun / hand-written (median steady-state samples/s): {ratio:.3f} "
           f"(target >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'})")
