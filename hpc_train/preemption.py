@@ -129,8 +129,10 @@ class Agreement:
 
     def attach(self, ddp_module) -> None:
         if self.multi and not self.hooked:
-            import torch.distributed as dist
-            self.world = dist.get_world_size()
+            # The hook calls DDP's group directly: dist.all_reduce's Python wrapper (argument
+            # checks, logging decorator) costs ~20 us more per call, twice per step on bucket 0.
+            self.pg = ddp_module.process_group
+            self.world = self.pg.size()
             ddp_module.register_comm_hook(self, _agreement_hook)
             self.hooked = True
 
@@ -161,18 +163,17 @@ class Agreement:
 
 
 def _agreement_hook(state: Agreement, bucket):
-    import torch.distributed as dist
     grads = bucket.buffer()
     grads.div_(state.world)                        # what DDP's built-in hook does first
     if bucket.index() != 0:
-        return dist.all_reduce(grads, async_op=True).get_future().then(_first)
+        return state.pg.allreduce([grads]).get_future().then(_first)   # a sum, as dist.all_reduce
     # Bucket 0 also carries the agreement, as its own small all-reduce issued just before the
     # gradients' (both async, same order on every rank): gloo runs the two side by side, so it
     # adds no round trip, and the bucket is reduced in place (appending the values to the bucket
     # meant copying every gradient in it twice per step). collect() waits for it.
     values = state._values(grads.device, grads.dtype)
-    state._inflight = (dist.all_reduce(values, async_op=True), values)
-    return dist.all_reduce(grads, async_op=True).get_future().then(_first)
+    state._inflight = (state.pg.allreduce([values]), values)
+    return state.pg.allreduce([grads]).get_future().then(_first)
 
 
 def _first(fut):
