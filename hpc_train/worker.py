@@ -207,6 +207,7 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
         stop.ignore_further()
         return out
     finally:
+        goodput.resume_gc()   # a no-op once start-up ended; after an early return or a failure, not left off
         del trainer  # the DDP reducer must go before the group (see distributed.shutdown)
         try:
             run._close()
