@@ -40,7 +40,7 @@ class SlurmEntry:
     def __call__(self) -> Any:
         import signal
 
-        from hpc_train.worker import exit_done, exit_now, run_worker
+        from hpc_train.worker import exit_done, exit_now, release_group, run_worker
         os.environ.setdefault("HPC_TRAIN_RESUME", self.resume)
         # submitit installed its own handler for its signal (rank-0-only checkpoint, then exit).
         # One component owns the stop signals: hpc_train's worker installs the job's; any other
@@ -65,8 +65,7 @@ class SlurmEntry:
             raise SystemExit(0)
         # submitit now pickles the result and exits normally: the group must go first (see
         # hpc_train.distributed.shutdown; run_worker left it for a fast exit).
-        if "hpc_train.distributed" in sys.modules:
-            sys.modules["hpc_train.distributed"].release()
+        release_group()
         return result
 
 

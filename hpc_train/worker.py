@@ -250,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def release_group() -> None:
+    """Before a normal exit of a process whose worker ran with ``leaving=True``: release the
+    process group it left for ``os._exit`` (a no-op where torch was never imported)."""
+    if "hpc_train.distributed" in sys.modules:
+        sys.modules["hpc_train.distributed"].release()
+
+
 def exit_done(code: int) -> None:
     """Leave after the work is done and every file is written: the process's exit handlers run
     (the user's included: a logger's atexit finish), then the interpreter's teardown is skipped.
@@ -260,8 +267,7 @@ def exit_done(code: int) -> None:
     import atexit
     import threading
     if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
-        if "hpc_train.distributed" in sys.modules:
-            sys.modules["hpc_train.distributed"].release()   # the normal exit needs it released first
+        release_group()   # the normal exit needs it released first
         return
     atexit._run_exitfuncs()   # what a normal exit runs first (logging.shutdown among them)
     exit_now(code)
