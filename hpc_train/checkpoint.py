@@ -18,8 +18,10 @@ Hazards:
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
+import os
 import pickle
 import shutil
 import time
@@ -117,6 +119,17 @@ def move_aside(path: Path) -> Path:
 
 def _rank_file(path: Path, rank: int) -> Path:
     return path / f"rank-{rank}.pt"
+
+
+def _save_pt(obj: Any, path: Path) -> None:
+    """``torch.save`` into memory, then one plain write. torch's own file writer reports a full
+    disk as "[enforce fail at inline_container.cc] unexpected pos ..."; Python's write raises
+    OSError ENOSPC, which the error line names. Only for the small files (a rank's RNG state,
+    the app state): the buffer is a second copy."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
 
 
 def _owner_module(state: Mapping[str, Any], kinds: dict[str, str], key: str) -> nn.Module:
@@ -233,9 +246,9 @@ class Checkpointer:
             dist.barrier(group=self.pg)
         path.mkdir(parents=True, exist_ok=True)
         self.written.add(step)
-        torch.save(_rank_state(state, kinds), _rank_file(path, self.rank))
+        _save_pt(_rank_state(state, kinds), _rank_file(path, self.rank))
         if self.rank == 0:
-            torch.save(_app_state(state, kinds), path / APP_FILE)
+            _save_pt(_app_state(state, kinds), path / APP_FILE)
         # Overlap: the copy of modules and optimizers runs on the stager's thread during the next
         # step's forward and backward. Parameters and optimizer state change only in an optimizer's
         # step(), which waits for the copy (a step pre-hook); buffers change in the forward, so
@@ -493,8 +506,14 @@ def export(path: Path, out: Path) -> int:
     tmp = Path(str(out) + ".tmp")
     try:
         with open(tmp, "xb") as f:
-            torch.save(model, f)
+            torch.save(model, f)      # streamed: a model-sized buffer would double the memory
     except FileExistsError:
         raise CheckpointError(f"{tmp} exists (left over from an interrupted export?); remove it first") from None
+    except (OSError, RuntimeError) as e:
+        # torch's writer reports a full disk as "enforce fail ... unexpected pos": name it.
+        if not isinstance(e, OSError) and shutil.disk_usage(tmp.parent).free < (1 << 20):
+            e = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        tmp.unlink(missing_ok=True)   # ours (opened exclusively above) and incomplete
+        raise CheckpointError(f"cannot write {out}: {_why(e)}") from None
     tmp.replace(out)
     return len(model)

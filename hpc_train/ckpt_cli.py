@@ -69,12 +69,20 @@ def verify_one(info: resume.CkptInfo) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure here means the metadata is unusable
         return f".metadata does not load: {e}"
     sizes = {name: int(n) for name, n in info.record["files"].items()}
-    for index, storage in (meta.storage_data or {}).items():
-        name = str(storage.relative_path)
-        if name not in sizes:
-            return f"{index.fqn} points into {name}, which the commit record does not list"
-        if storage.offset + storage.length > sizes[name]:
-            return f"{index.fqn} lies past the end of {name}"
+    # A damaged .metadata can unpickle into objects that lack a field or hold the wrong type
+    # (a flipped bit in a field's name): read every field defensively.
+    storage_data = getattr(meta, "storage_data", None)
+    if not isinstance(storage_data, dict):
+        return f".metadata is malformed: its storage_data is {type(storage_data).__name__}, not a dict"
+    for index, storage in storage_data.items():
+        fqn = getattr(index, "fqn", index)
+        name, offset, length = (getattr(storage, k, None) for k in ("relative_path", "offset", "length"))
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            return f".metadata is malformed: the entry for {fqn} has offset {offset!r}, length {length!r}"
+        if str(name) not in sizes:
+            return f"{fqn} points into {name}, which the commit record does not list"
+        if offset + length > sizes[str(name)]:
+            return f"{fqn} lies past the end of {name}"
     return resume.verify_checksums(info)
 
 

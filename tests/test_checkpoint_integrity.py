@@ -119,10 +119,19 @@ def _rank1_flip(ck):
     flip_bit(ck / "rank-1.pt", random.Random(1))
 
 
+def _rename_length(ck):
+    meta = ck / ".metadata"
+    data = meta.read_bytes()
+    assert data.count(b"length") == 1            # pickle writes the key once, then refers to it
+    meta.write_bytes(data.replace(b"length", b"lengtx"))
+
+
 DAMAGE = {   # name -> (damage to step-6, what the skip warning says)
     "shard-bit-flip": (lambda ck: flip_bit(ck / "__1_0.distcp", random.Random(2)), "__1_0.distcp fails its crc32"),
     "metadata-garbage": (lambda ck: (ck / ".metadata").write_bytes(b"\x00" * (ck / ".metadata").stat().st_size),
                          ".metadata fails its crc32"),
+    # A flipped bit in a field's name: .metadata still unpickles, into entries that lack "length".
+    "metadata-field-renamed": (_rename_length, ".metadata fails its crc32"),
     "app-bit-flip": (lambda ck: flip_bit(ck / "app.pt", random.Random(3)), "app.pt fails its crc32"),
     "rank-file-bit-flip": (_rank1_flip, "rank-1.pt fails its crc32"),
     "commit-step-not-int": (_bad_commit("step", "six"), "commit record is unreadable: step is 'six'"),

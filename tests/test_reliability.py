@@ -217,3 +217,28 @@ def test_full_and_read_only_disks_are_one_line(small_disk):
     for info in resume.scan(full / "run"):         # nothing half-written counts as complete
         if info.complete:
             load_full(info.path)
+
+
+def test_a_full_disk_is_named_in_the_files_torch_writes(small_disk, tmp_path):
+    """torch's own file writer reports a full disk as "enforce fail ... unexpected pos": the
+    per-rank files of a save and `ckpt export` say "No space left on device" instead, and export
+    leaves no partial file behind."""
+    import torch
+    from hpc_train import checkpoint
+    full, _ = small_disk
+    big = {"w": torch.zeros(1 << 18)}                                   # 1 MiB > the 700 KiB disk
+    with pytest.raises(RuntimeError, match="enforce fail|unexpected pos"):   # control: torch alone
+        torch.save(big, full / "plain.pt")
+    (full / "plain.pt").unlink()
+    with pytest.raises(OSError) as e:
+        checkpoint._save_pt(big, full / "rank-0.pt")
+    assert "No space left on device" in str(e.value)
+    (full / "rank-0.pt").unlink()            # partial; in a save it lies in an uncommitted step dir
+
+    cfg = write_config(tmp_path / "job.yaml", {"model": {"hidden": 512}, "checkpoint": {"every_steps": 2}})
+    p = hpc("run", cfg, "--nproc", "1", "--run-dir", tmp_path / "run", "--set", "train.max_steps=2")
+    assert p.returncode == 0, show(p)
+    out = full / "model.pt"
+    p = hpc("ckpt", "export", tmp_path / "run", out)
+    one_line_exit2(p, str(out), "No space left on device")
+    assert list(full.iterdir()) == [], list(full.iterdir())             # no partial model.pt.tmp
