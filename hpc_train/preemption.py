@@ -69,9 +69,11 @@ class StopRequest:
 
     def _escalate(self) -> None:
         if not self.listening and self.signum is not None:
-            import _thread
             self._raise_now = True
-            _thread.interrupt_main(self.signum)   # runs _handler in the main thread, which raises
+            # A real signal to the main thread, which runs _handler there (it raises). Not
+            # _thread.interrupt_main: that only sets Python's flag, so code blocked in a call
+            # (time.sleep, a socket read) would not see it until the call returned.
+            signal.pthread_kill(threading.main_thread().ident, self.signum)
 
     def install(self, signals: list[str], escalate: bool = False) -> None:
         self.escalate = escalate

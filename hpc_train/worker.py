@@ -120,11 +120,16 @@ def _one_line(e: BaseException) -> str | None:
     if type(e).__name__ in _EXPECTED:
         return f"{type(e).__name__}: {e}"
     text = str(e)
-    if isinstance(e, RuntimeError) and any(s in text.lower() for s in _PEER_LOST):
+    if _peer_lost(e):
         # A victim: another rank died or froze, and this one's collective failed. Not a bug here.
         first = next((ln.strip() for ln in text.splitlines() if any(s in ln.lower() for s in _PEER_LOST)), text)
         return f"lost a peer ({first[:300]})"
     return None
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """A collective failed because a peer went away (gloo's and the store's wording)."""
+    return isinstance(e, RuntimeError) and any(s in str(e).lower() for s in _PEER_LOST)
 
 
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "timed out waiting", "broken pipe")
@@ -177,6 +182,11 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
     run = run_mod.start(cfg, env, rd, stop, device)
     trainer = None
     clean = False
+    # Set when a stop ended the user's code at an arbitrary point: this rank may have left while a
+    # peer sits in a collective of that code, so the group's sequence of collectives no longer
+    # matches across ranks and the shutdown barrier must not run (it would pair with the peer's
+    # collective: a mismatched reduction, or a hang until dist.timeout_s).
+    interrupted = False
     out: Any = None
     try:
         try:
@@ -194,8 +204,17 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
                 trainer = Trainer(cfg, run)
                 out = trainer.fit()
         except StopRun:
+            interrupted = True
             log.warning("stopped by %s before the code called run.step_end: nothing was saved by hpc_train",
                         stop.name)
+        except Exception as e:
+            # The same stop ended a peer first, while this rank's code waited in a collective
+            # with it: the peer's exit is this stop's doing, not a failure.
+            if not (stop.requested and not run.stopped and _peer_lost(e)):
+                raise
+            interrupted = True
+            log.warning("stopped by %s before the code called run.step_end (a peer left for the same stop "
+                        "while this rank waited in a collective): nothing was saved by hpc_train", stop.name)
         if stop.requested and not run.stopped and not run.finished:
             stopped_without_checkpoint(cfg, env, rd, stop)
         elif not run.stopped and not run.finished:
@@ -215,7 +234,7 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
             if clean:
                 raise
         run_mod._current = None
-        distributed.shutdown(clean, destroy=not leaving)
+        distributed.shutdown(clean and not interrupted, destroy=not leaving)
 
 
 def stopped_without_checkpoint(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any) -> None:

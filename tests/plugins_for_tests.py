@@ -209,6 +209,20 @@ def loop_forever(cfg, env, device):
         time.sleep(0.05)
 
 
+def stuck_in_collective(cfg, env, device):
+    """A ``train.fn`` that knows nothing of Run, stopped while rank 1 waits in an all-reduce that
+    rank 0 has not joined (rank 0 is in Python, rank 1 in gloo): the two ranks leave the code at
+    different points of its sequence of collectives."""
+    import torch
+    import torch.distributed as dist
+
+    _mark("stuck_in_collective")
+    while True:
+        if dist.get_rank() == 0:
+            time.sleep(3600)
+        dist.all_reduce(torch.ones(1))
+
+
 def run_api_loop():
     """A callable on the public API: ``hpc_train.init()`` returns the worker's Run."""
     import json

@@ -116,6 +116,23 @@ def test_fn_that_ignores_run_is_ended_by_a_stop_and_not_marked_finished(tmp_path
     assert "stopped by SIGTERM before the code called run.step_end" in (rd / "logs" / "rank-0.log").read_text()
 
 
+def test_a_stop_that_ends_ranks_at_different_collectives_is_still_a_stop(tmp_path):
+    """Rank 0 is ended in Python while rank 1 waits in an all-reduce rank 0 never joins: rank 0
+    must leave without a shutdown barrier (it would pair with rank 1's all-reduce), and rank 1's
+    all-reduce, failed by rank 0's exit, is this stop's doing, not a failure."""
+    rd = tmp_path / "run"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    p = start("run", "--fn", f"{PLUGINS}:stuck_in_collective", "--nproc", "2", "--run-dir", rd,
+              env=clean_env(HPC_TEST_MARK_DIR=str(marks)))
+    q = stop_when(p, marks / "stuck_in_collective-rank1")
+    assert q.returncode == 128 + signal.SIGTERM, show(q)
+    assert "failed" not in q.stderr and "Traceback" not in q.stderr, show(q)
+    assert json.loads((rd / "stopped.json").read_text())["checkpoint"] is False
+    assert "stopped by SIGTERM before the code called run.step_end" in (rd / "logs" / "rank-0.log").read_text()
+    assert "a peer left for the same stop" in (rd / "logs" / "rank-1.log").read_text()
+
+
 def test_fn_gets_the_same_run_and_its_stop(tmp_path):
     """`run --fn` (the local mode of `hpc_train.submit(fn)`): init() inside returns the worker's
     Run, with the config's dist section; a stop is seen by step_end and saved."""
