@@ -40,3 +40,14 @@ def os_error_line(e: OSError) -> str:
             errno.EACCES: "; check the permissions, or use another --run-dir",
             errno.EDQUOT: "; your disk quota is spent"}.get(e.errno or 0, "")
     return f"cannot use{where}: {e.strerror or e}{hint}"
+
+
+# How gloo and the TCP store word a collective that failed because a peer went away (it died,
+# was stopped, or froze past the timeout): a rank whose error says so is a victim, not the cause.
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed",
+             "timed out waiting")
+
+
+def says_peer_lost(text: str) -> bool:
+    low = text.lower()
+    return any(s in low for s in PEER_LOST)

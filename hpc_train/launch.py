@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from hpc_train.errors import says_peer_lost
+
 GRACE_S = 10.0   # after a failure, how long the surviving ranks get to exit before SIGKILL (they cannot save: a save needs every rank)
 HUNG_GRACE_S = 5.0   # after a rank stopped responding: the others wait on it in a collective, and cannot save
 
@@ -81,15 +83,11 @@ def _first_error(run_dir: Path, rank: int) -> str:
     return text or "its error could not be recorded (a full or read-only disk?): see its lines above"
 
 
-# What a rank reports when it lost a peer: it is a victim, not the cause.
-_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed")
-
-
 def _culprit(run_dir: Path, ranks: list[int]) -> int:
     """Among ranks seen failing in the same poll, the one that caused it: a rank whose error
     says a peer went away is a victim of another rank's death."""
     for rank in ranks:
-        if not any(s in _first_error(run_dir, rank).lower() for s in _PEER_LOST):
+        if not says_peer_lost(_first_error(run_dir, rank)):
             return rank
     return ranks[0]
 

@@ -23,7 +23,7 @@ from typing import Any
 from hpc_train import config as config_mod
 from hpc_train import environment, rundir
 from hpc_train.config import Config
-from hpc_train.errors import UsageError
+from hpc_train.errors import UsageError, says_peer_lost
 from hpc_train.monitor import setup_logging
 
 log = logging.getLogger("hpc_train")
@@ -122,17 +122,15 @@ def _one_line(e: BaseException) -> str | None:
     text = str(e)
     if _peer_lost(e):
         # A victim: another rank died or froze, and this one's collective failed. Not a bug here.
-        first = next((ln.strip() for ln in text.splitlines() if any(s in ln.lower() for s in _PEER_LOST)), text)
+        first = next((ln.strip() for ln in text.splitlines() if says_peer_lost(ln)), text)
         return f"lost a peer ({first[:300]})"
     return None
 
 
 def _peer_lost(e: BaseException) -> bool:
     """A collective failed because a peer went away (gloo's and the store's wording)."""
-    return isinstance(e, RuntimeError) and any(s in str(e).lower() for s in _PEER_LOST)
+    return isinstance(e, RuntimeError) and says_peer_lost(str(e))
 
-
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "timed out waiting", "broken pipe")
 
 
 def _address() -> str:
