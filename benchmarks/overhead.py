@@ -136,7 +136,7 @@ def typical_rate(stamps: list[float], warmup: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps per run (3 repetitions still)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of each variant (default 3)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of each variant (default 5)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 80; quick 40)")
     ap.add_argument("--warmup", type=int, default=None, help="steps excluded from the rate (default 10; quick 5)")
     ap.add_argument("--json", help="also write the figures here")

@@ -145,7 +145,7 @@ def wall(cmd: list[str], env, reps: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     with local_cluster() as env:
         hpc, raw = [], []
