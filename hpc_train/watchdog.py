@@ -64,6 +64,28 @@ class Heartbeat:
         self._stop.set()
 
 
+def say_left_for_stop(run_dir: Path, rank: int) -> None:
+    """Before this rank leaves code that a stop ended: say so in its heartbeat file, so that a
+    peer whose collective then fails (this rank's exit closed it) can tell that from a crash
+    (:func:`peer_left_for_stop`). The next start rewrites the file."""
+    path = rundir.heartbeat_path(run_dir, rank)
+    try:
+        rundir.write_json(path, {"host": socket.gethostname(), "pid": os.getpid(), "left": "stop"})
+    except OSError:
+        pass    # the peer then reports a lost peer: a failure, the safe side
+
+
+def peer_left_for_stop(run_dir: Path, world_size: int, rank: int) -> bool:
+    for r in range(world_size):
+        if r != rank:
+            try:
+                if json.loads(rundir.heartbeat_path(run_dir, r).read_text()).get("left") == "stop":
+                    return True
+            except (OSError, ValueError, AttributeError):
+                pass
+    return False
+
+
 def enable_stack_dumps(log_path: Path) -> None:
     """On :data:`DUMP_SIGNAL`, write every thread's Python stack to ``log_path``."""
     global _dump_file

@@ -167,6 +167,7 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
     from hpc_train import goodput
     from hpc_train import resume as resume_mod
     from hpc_train import run as run_mod
+    from hpc_train import watchdog
     from hpc_train.preemption import StopRun
 
     if resume_mod.is_finished(rd):
@@ -203,14 +204,18 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
                 out = trainer.fit()
         except StopRun:
             interrupted = True
+            watchdog.say_left_for_stop(rd, env.rank)
             log.warning("stopped by %s before the code called run.step_end: nothing was saved by hpc_train",
                         stop.name)
         except Exception as e:
             # The same stop ended a peer first, while this rank's code waited in a collective
-            # with it: the peer's exit is this stop's doing, not a failure.
-            if not (stop.requested and not run.stopped and _peer_lost(e)):
+            # with it: the peer's exit is this stop's doing, not a failure. A peer that died
+            # (then srun's SIGTERM to the rest) left no word of a stop: that stays a failure.
+            if not (stop.requested and not run.stopped and _peer_lost(e)
+                    and watchdog.peer_left_for_stop(rd, env.world_size, env.rank)):
                 raise
             interrupted = True
+            watchdog.say_left_for_stop(rd, env.rank)
             log.warning("stopped by %s before the code called run.step_end (a peer left for the same stop "
                         "while this rank waited in a collective): nothing was saved by hpc_train", stop.name)
         if stop.requested and not run.stopped and not run.finished:
