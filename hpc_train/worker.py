@@ -132,7 +132,6 @@ def _peer_lost(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and says_peer_lost(str(e))
 
 
-
 def _address() -> str:
     """This host's address as the other nodes would reach it (for the log; never fatal)."""
     import socket
