@@ -48,7 +48,7 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        _write_record(self.path)
         self._thread.start()
         return self
 
@@ -64,26 +64,32 @@ class Heartbeat:
         self._stop.set()
 
 
+def _write_record(path: Path, **extra: str) -> None:
+    """A heartbeat file's content: who beats it (for :func:`holder`), and any word it leaves."""
+    rundir.write_json(path, {"host": socket.gethostname(), "pid": os.getpid(), **extra})
+
+
+def _read_record(run_dir: Path, rank: int) -> dict:
+    """A rank's heartbeat record; {} when it is missing or unreadable."""
+    try:
+        h = json.loads(rundir.heartbeat_path(run_dir, rank).read_text())
+    except (OSError, ValueError):
+        return {}
+    return h if isinstance(h, dict) else {}
+
+
 def say_left_for_stop(run_dir: Path, rank: int) -> None:
     """Before this rank leaves code that a stop ended: say so in its heartbeat file, so that a
     peer whose collective then fails (this rank's exit closed it) can tell that from a crash
     (:func:`peer_left_for_stop`). The next start rewrites the file."""
-    path = rundir.heartbeat_path(run_dir, rank)
     try:
-        rundir.write_json(path, {"host": socket.gethostname(), "pid": os.getpid(), "left": "stop"})
+        _write_record(rundir.heartbeat_path(run_dir, rank), left="stop")
     except OSError:
         pass    # the peer then reports a lost peer: a failure, the safe side
 
 
 def peer_left_for_stop(run_dir: Path, world_size: int, rank: int) -> bool:
-    for r in range(world_size):
-        if r != rank:
-            try:
-                if json.loads(rundir.heartbeat_path(run_dir, r).read_text()).get("left") == "stop":
-                    return True
-            except (OSError, ValueError, AttributeError):
-                pass
-    return False
+    return any(_read_record(run_dir, r).get("left") == "stop" for r in range(world_size) if r != rank)
 
 
 def enable_stack_dumps(log_path: Path) -> None:
@@ -101,10 +107,10 @@ def limit_for(timeout_s: float) -> float:
 
 
 def holder(run_dir: Path, rank: int) -> tuple[str, int | None]:
+    h = _read_record(run_dir, rank)
     try:
-        h = json.loads(rundir.heartbeat_path(run_dir, rank).read_text())
         return str(h["host"]), int(h["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return "unknown host", None
 
 
