@@ -103,13 +103,18 @@ def test_plain_python_outside_any_launcher(tmp_path):
 PLUGINS = "tests.plugins_for_tests"
 
 
-def test_fn_that_ignores_run_is_ended_by_a_stop_and_not_marked_finished(tmp_path):
+def _stop_fn_once_running(tmp_path, fn: str):
+    """`run --fn PLUGINS:fn --nproc 2`, SIGTERM once rank 1 has entered ``fn``: (run dir, result)."""
     rd = tmp_path / "run"
     marks = tmp_path / "marks"
     marks.mkdir()
-    p = start("run", "--fn", f"{PLUGINS}:loop_forever", "--nproc", "2", "--run-dir", rd,
-               env=clean_env(HPC_TEST_MARK_DIR=str(marks)))
-    q = stop_when(p, marks / "loop_forever-rank1")
+    p = start("run", "--fn", f"{PLUGINS}:{fn}", "--nproc", "2", "--run-dir", rd,
+              env=clean_env(HPC_TEST_MARK_DIR=str(marks)))
+    return rd, stop_when(p, marks / f"{fn}-rank1")
+
+
+def test_fn_that_ignores_run_is_ended_by_a_stop_and_not_marked_finished(tmp_path):
+    rd, q = _stop_fn_once_running(tmp_path, "loop_forever")
     assert q.returncode == 128 + signal.SIGTERM, show(q)
     assert not (rd / "result.json").exists()
     assert json.loads((rd / "stopped.json").read_text())["checkpoint"] is False
@@ -120,12 +125,7 @@ def test_a_stop_that_ends_ranks_at_different_collectives_is_still_a_stop(tmp_pat
     """Rank 0 is ended in Python while rank 1 waits in an all-reduce rank 0 never joins: rank 0
     must leave without a shutdown barrier (it would pair with rank 1's all-reduce), and rank 1's
     all-reduce, failed by rank 0's exit, is this stop's doing, not a failure."""
-    rd = tmp_path / "run"
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    p = start("run", "--fn", f"{PLUGINS}:stuck_in_collective", "--nproc", "2", "--run-dir", rd,
-              env=clean_env(HPC_TEST_MARK_DIR=str(marks)))
-    q = stop_when(p, marks / "stuck_in_collective-rank1")
+    rd, q = _stop_fn_once_running(tmp_path, "stuck_in_collective")
     assert q.returncode == 128 + signal.SIGTERM, show(q)
     assert "failed" not in q.stderr and "Traceback" not in q.stderr, show(q)
     assert json.loads((rd / "stopped.json").read_text())["checkpoint"] is False
