@@ -1,7 +1,7 @@
 """Checkpoint benchmark (issue 3): what a save costs, against what the disk can do.
 
 One run, 2 gloo ranks (torch.multiprocessing), the real hpc_train Trainer's state holding an MLP whose
-model + Adam state is >= 200 MB, saved through the real ``hpc_train.checkpoint.Checkpointer``:
+model + Adam state is >= 200 MB, saved through the real ``hpc_train.ckpt.checkpointer.Checkpointer``:
 
 * **sync save**: ``Checkpointer.save(blocking=True)``: rank files, DCP shards from both ranks
   (fsync'd by DCP), ``.metadata``, then rank 0's commit record (fsync'd, directory fsync'd).
@@ -12,7 +12,7 @@ model + Adam state is >= 200 MB, saved through the real ``hpc_train.checkpoint.C
 * **disk write**: the same number of bytes as the DCP checkpoint, written sequentially in 16 MiB
   blocks into the same directory, then fsync'd: by 1, 2 and 4 concurrent writers (DCP here uses
   2 ranks x 2 writer threads).
-* **load**: ``hpc_train.checkpoint.load`` on both ranks (what a resume does), with the checkpoint's
+* **load**: ``hpc_train.ckpt.checkpointer.load`` on both ranks (what a resume does), with the checkpoint's
   pages evicted from the page cache first (``posix_fadvise(DONTNEED)``, our files only) and warm.
 
 Each is repeated (``--repeats``) and the medians are printed, with the ratios the issue sets as
@@ -107,11 +107,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from hpc_train import checkpoint, config, distributed, environment
+    from hpc_train import config
+    from hpc_train.ckpt import checkpointer as checkpoint
+    from hpc_train.node import group as distributed
+    from hpc_train.node import environment
     from hpc_train import run as run_mod
-    from hpc_train.monitor import setup_logging
-    from hpc_train.preemption import StopRequest
-    from hpc_train.trainer import Trainer
+    from hpc_train.logs import setup_logging
+    from hpc_train.node.stops import StopRequest
+    from hpc_train.trainer.loop import Trainer
 
     root = Path(args.dir)
     run_dir = root / "run"
@@ -180,7 +183,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         ckpt_bytes = _dir_bytes(sync_dir)
         # What the checksums cost: the commit record rewritten by rank 0, with and without them
         # (the files are in the page cache right after a save, as at a real commit).
-        from hpc_train import resume
+        from hpc_train.ckpt import store as resume
         record = json.loads((sync_dir / "commit.json").read_text())
         t_crc = timed(lambda: rank == 0 and resume.write_commit(sync_dir, record, checksums=True))
         t_plain = timed(lambda: rank == 0 and resume.write_commit(sync_dir, record, checksums=False))

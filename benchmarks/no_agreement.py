@@ -12,9 +12,9 @@ from __future__ import annotations
 def train(cfg, env, device):
     import torch
 
-    from hpc_train import preemption
+    from hpc_train.node import stops as preemption
     from hpc_train import run as run_mod
-    from hpc_train.trainer import Trainer
+    from hpc_train.trainer.loop import Trainer
 
     def collect(self, device):       # this rank's own values, no collective
         values = self._values(device, torch.float32 if self._staged is None else self._staged.dtype)

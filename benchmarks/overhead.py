@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/overhead.py [--quick] [--reps N] [--steps N] [--warmup N]
 
-Both sides train ``hpc_train.models.ConvNet`` on the same synthetic 1x28x28 data
-(``hpc_train.data.synthetic``), batch 64 per rank, 2 processes on this machine, gloo, one
+Both sides train ``hpc_train.trainer.models.ConvNet`` on the same synthetic 1x28x28 data
+(``hpc_train.trainer.data.synthetic``), batch 64 per rank, 2 processes on this machine, gloo, one
 torch thread per rank, Adam at lr 1e-3:
 
 * **hand-written**: the loop the PyTorch DDP tutorials teach (``torch.multiprocessing.spawn``,
@@ -47,8 +47,8 @@ def _tutorial_worker(rank: int, world: int, port: int, steps: int, out: str) -> 
     from torch.utils.data import DataLoader, DistributedSampler
 
     from hpc_train.config import DataSection
-    from hpc_train.data import synthetic
-    from hpc_train.models import ConvNet
+    from hpc_train.trainer.data import synthetic
+    from hpc_train.trainer.models import ConvNet
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -33,7 +33,7 @@ PY = sys.executable
 RAW_WORKER = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from hpc_train.models import ConvNet
+    from hpc_train.trainer.models import ConvNet
     from sklearn.datasets import load_digits
     import hostlist
     rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])

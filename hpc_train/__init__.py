@@ -44,7 +44,7 @@ def submit(target: Any, *args: Any, **kwargs: Any):
     process group initialised; ``hpc_train.init()`` inside ``fn`` returns the task's Run, with
     the config's ``dist`` section applied and stops handled. Keyword arguments are the config's
     job section plus ``config=``, ``overrides=[...]``, ``run_dir=`` and ``resume=``. See
-    :func:`hpc_train.submission.submit`.
+    :func:`hpc_train.login.submission.submit`.
     """
-    from hpc_train.submission import submit as _submit
+    from hpc_train.login.submission import submit as _submit
     return _submit(target, *args, **kwargs)

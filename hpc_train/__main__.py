@@ -1,5 +1,5 @@
 import sys
 
-from hpc_train.cli import main
+from hpc_train.cli.main import main
 
 sys.exit(main())

@@ -13,22 +13,7 @@ the closest match, a value of the wrong type or out of range names the field. Th
 config is written to ``RUN_DIR/config.yaml``; ``python -m hpc_train config CONFIG`` prints it
 without running anything. This module must not import torch: the CLI's fast paths use it.
 
-How a value is read (files and ``--set`` alike): YAML gives the structure, but a plain scalar
-stays the text as written (only ``null``/``~``/empty is special) and the field's type decides
-what the text means. PyYAML implements YAML 1.1, whose implicit types silently rewrite values
-that are strings to Slurm: ``time: 30:00`` became the base-60 int 1800, ``account: 0123`` the
-octal 83, ``progress: off`` the bool False. Per field type:
-
-* str: the text, unchanged (``30:00``, ``0123``, ``off``, ``1.50``);
-* int: ASCII decimal digits with an optional sign, no leading zeros, no ``_`` (``1_000``,
-  ``0x10``, ``1:30``, ``1e3`` and ``2.0`` are errors naming the field: each has a reading under
-  which it is not the number it looks like, so the user writes ``1000``);
-* float: a decimal or exponent number (``1e-3``, ``.5``); ``.nan``/``.inf`` are errors;
-* bool: ``true``/``false``, also ``yes``/``no``/``on``/``off`` (any case) as YAML 1.1 had them.
-
-Anchors may be defined but aliases (``*name``) are refused: a few lines of nested aliases
-expand to billions of nodes ("billion laughs"), and a config has no use for them. Duplicate
-keys are refused too (YAML 1.1 let the last one win silently).
+How YAML is read (plain scalars as text, no aliases or duplicate keys): :mod:`hpc_train.config_yaml`.
 """
 
 from __future__ import annotations
@@ -44,7 +29,9 @@ from typing import Any
 
 import yaml
 
+from hpc_train.config_yaml import parse_value, read_file
 from hpc_train.errors import UsageError, closest, show
+from hpc_train.rundir import write_atomic
 
 
 def _f(default: Any, *, choices: tuple[str, ...] | None = None, min: float | None = None,
@@ -90,7 +77,7 @@ class JobSection:
 class DistSection:
     backend: str = _f("auto", choices=("auto", "nccl", "gloo"))
     # ddp, fsdp (sharded), dp (nn.DataParallel, 1 process/node), allreduce (no wrapper), split (stages on
-    # successive devices), none: see hpc_train/strategies.py
+    # successive devices), none: see hpc_train/node/strategies.py
     strategy: str = _f("ddp", choices=("ddp", "fsdp", "dp", "allreduce", "split", "none"))
     # At most a week: the value becomes a timedelta (overflows near 1e14 s) and a C++ timeout in ms.
     init_timeout_s: float = _f(300.0, min=1, max=_WEEK)   # rendezvous and first collective
@@ -320,83 +307,13 @@ def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
             raise _unknown("", str(key), list(top) + list(_SECTIONS))
 
 
-class _RefusedYAML(yaml.MarkedYAMLError):
-    """Valid YAML that a config file may not use (aliases, duplicate keys, deep nesting)."""
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, with plain scalars kept as text and aliases, duplicate keys and deep
-    nesting refused (see the module docstring for why). Pure Python, not the C loader: the
-    overrides below live in the composer and constructor, which the C loader replaces; config
-    files are a few kilobytes, so speed does not matter."""
-
-    yaml_implicit_resolvers: dict = {}   # own table, filled below: only null is implicit
-    MAX_DEPTH = 20                       # a config is 3 deep; recursion fails near 1000
-    _depth = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise _RefusedYAML(None, None, f"found the alias *{event.anchor}; aliases are not allowed in config "
-                               f"files (write the value out)", event.start_mark)
-        self._depth += 1
-        try:
-            if self._depth > self.MAX_DEPTH:
-                raise _RefusedYAML(None, None, f"nested deeper than {self.MAX_DEPTH} levels; a config is "
-                                   f"sections of keys", self.peek_event().start_mark)
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def construct_mapping(self, node, deep=False):
-        first: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node)
-            try:
-                seen = key in first
-            except TypeError:   # unhashable: the base class refuses it, with its line
-                continue
-            if seen:
-                raise _RefusedYAML(None, None, f"duplicate key {show(key)} (first at line {first[key] + 1}); "
-                                   f"each key may appear once per mapping", key_node.start_mark)
-            first[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep)
-
-
-_Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"),
-                              ["~", "n", "N", ""])
-
-
-def _yaml_problem(e: yaml.YAMLError, text: str) -> tuple[str, str]:
-    """(where, what) of a YAML error, each on one line."""
-    if isinstance(e, yaml.MarkedYAMLError):
-        mark = e.problem_mark or e.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = e.problem or e.context or "malformed"
-    elif isinstance(e, yaml.reader.ReaderError):   # a character YAML does not allow, e.g. a NUL
-        where = f"line {text.count(chr(10), 0, e.position) + 1}"
-        what = f"the control character U+{e.character:04X} is not allowed in YAML"
-    else:
-        where, what = "", str(e)
-    return where, " ".join(str(what).split())
-
-
-def _parse(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (_Loader is a SafeLoader)
-
-
 def parse_set(item: str) -> dict[str, Any]:
     """``section.key=value`` -> ``{section: {key: value}}``, the value parsed as YAML."""
     m = re.match(r"^([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?=(.*)$", item, re.S)
     if not m:
         raise UsageError(f"--set expects section.key=value (e.g. optim.lr=0.01), got {show(item)}")
     section, key, raw = m.groups()
-    try:
-        value = _parse(raw) if raw.strip() else ""
-    except _RefusedYAML as e:
-        raise UsageError(f"--set {section}{'.' + key if key else ''}: {_yaml_problem(e, raw)[1]}") from None
-    except yaml.YAMLError:
-        value = raw   # e.g. 'a: b: c' or '*x': not YAML, so the text itself
+    value = parse_value(raw, f"--set {section}{'.' + key if key else ''}")
     if key is None:
         return {section: value}
     if section not in _SECTIONS:
@@ -408,46 +325,11 @@ def parse_set(item: str) -> dict[str, Any]:
     return {section: {key: value}}
 
 
-_MAX_FILE_BYTES = 1 << 20
-
-
-def _read_file(path: str | Path) -> Any:
-    """A config file's YAML, or a :class:`UsageError` naming the file and what is wrong."""
-    p = Path(path)
-    name = str(p) if len(str(p)) <= 200 else f"{str(p)[:120]}...{str(p)[-40:]} ({len(str(p))} characters)"
-    try:
-        if p.is_dir():
-            raise UsageError(f"config: {name} is a directory; give a YAML file (e.g. jobs/digits.yaml)")
-        if not p.is_file():
-            raise UsageError(f"config file not found: {name} (example configs are in jobs/, e.g. jobs/digits.yaml)")
-        size = p.stat().st_size
-        if size > _MAX_FILE_BYTES:
-            # Parsing is pure Python (see _Loader): a wrong file of gigabytes would take minutes.
-            raise UsageError(f"config: {name} is {size} bytes; a job config is a few kilobytes "
-                             f"(the limit is {_MAX_FILE_BYTES} bytes): is this the right file?")
-        raw = p.read_bytes()
-    except OSError as e:
-        raise UsageError(f"config: cannot read {name}: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8-sig")   # a BOM from Windows editors is fine
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise UsageError(f"config: {name} is not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}); "
-                         f"save it as UTF-8") from None
-    try:
-        return _parse(text)
-    except yaml.YAMLError as e:
-        where, what = _yaml_problem(e, text)
-        if isinstance(e, _RefusedYAML):
-            raise UsageError(f"config: {name}{', ' + where if where else ''}: {what}") from None
-        raise UsageError(f"config: {name} is not valid YAML{' at ' + where if where else ''}: {what}") from None
-
-
 def load(path: str | Path | None, overrides: list[str] = (), extra: dict[str, Any] | None = None) -> Config:
     """Build a :class:`Config` from defaults, a YAML file, ``--set`` items and flag values."""
     cfg = Config()
     if path is not None:
-        data = _read_file(path)
+        data = read_file(path)
         _apply(cfg, {} if data is None else data, str(path))
     for item in overrides:
         _apply(cfg, parse_set(item), f"--set {item}")
@@ -456,17 +338,63 @@ def load(path: str | Path | None, overrides: list[str] = (), extra: dict[str, An
     return validate(cfg)
 
 
+# Torch-free rules of the config that the CLI checks before any worker starts.
+_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPT_LEVELS = {"O0": "fp32", "O1": "fp16", "O2": "fp16"}   # Apex's names (hpc_train.node.precision)
+STRATEGIES = ("ddp", "fsdp", "dp", "allreduce", "split", "none")   # hpc_train.node.strategies
+
+
+def time_minutes(spec: str) -> int:
+    """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in whole minutes."""
+    m = _TIME_RE.match(spec.strip())
+    if not m or spec.strip().upper() in ("", "UNLIMITED"):
+        raise UsageError(f"job.time: {spec!r} is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS "
+                         f"(e.g. 30, 01:30:00, 2-00:00:00)")
+    days, a, b, c = m.groups()
+    if days is not None:            # D-HH[:MM[:SS]]
+        secs = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    elif c is not None:             # HH:MM:SS
+        secs = int(a) * 3600 + int(b) * 60 + int(c)
+    elif b is not None:             # MM:SS
+        secs = int(a) * 60 + int(b)
+    else:                           # MM
+        secs = int(a) * 60
+    if secs <= 0:
+        raise UsageError(f"job.time: {spec!r} is zero; give a positive time limit")
+    return max(1, math.ceil(secs / 60))
+
+
+def resolve_precision(precision: str, opt_level: str) -> str:
+    """The precision ``train.precision`` and ``train.opt_level`` name together (torch-free)."""
+    if opt_level == "none":
+        return precision
+    mapped = OPT_LEVELS[opt_level]
+    if precision != "fp32" and precision != mapped:
+        raise UsageError(f"config: train.opt_level={opt_level} means train.precision={mapped}, but "
+                         f"train.precision={precision} is set too; set only one of them")
+    return mapped
+
+
+def check_launch(strategy: str, procs_per_node: int) -> None:
+    """Refuse what cannot run before any worker starts (torch-free)."""
+    if strategy == "dp" and procs_per_node > 1:
+        raise UsageError(
+            f"config: dist.strategy=dp runs one process per node that drives all its GPUs, but {procs_per_node} "
+            f"processes per node were asked for; use dist.strategy=ddp (one process per GPU: no GIL contention, "
+            f"no per-step scatter/gather through GPU 0, gradients reduced while backward runs), or one process "
+            f"per node (--nproc 1, job.tasks_per_node=1)")
+
+
 def validate(cfg: Config) -> Config:
     """Rules that span fields."""
     if cfg.train.epochs == 0 and cfg.train.max_steps == 0:
         raise UsageError("config: train.epochs and train.max_steps are both 0, so there is nothing to train; "
                          "set train.epochs >= 1 or train.max_steps >= 1")
-    from hpc_train.scheduler import time_minutes
     time_minutes(cfg.job.time)   # a malformed job.time fails here, not at submission
-    from hpc_train import precision, strategies
-    cfg.train.precision = precision.resolve(cfg.train.precision, cfg.train.opt_level)
+    cfg.train.precision = resolve_precision(cfg.train.precision, cfg.train.opt_level)
     # Slurm's processes per node (job.tasks_per_node 0: one per GPU); `run` checks its --nproc.
-    strategies.check_launch(cfg.dist.strategy, cfg.job.tasks_per_node or max(1, cfg.job.gpus_per_node))
+    check_launch(cfg.dist.strategy, cfg.job.tasks_per_node or max(1, cfg.job.gpus_per_node))
     if cfg.dist.strategy == "fsdp" and cfg.train.precision == "fp16":
         # GradScaler's inf/NaN check looks at local gradients: with sharded gradients one rank
         # could skip a step the others take. bf16 needs no scaler.
@@ -485,72 +413,8 @@ def from_dict(data: dict[str, Any]) -> Config:
     return validate(cfg)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` in one rename, so a reader (or a kill) never sees half a file.
-    Every small record in a run directory is written this way."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write(cfg: Config, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"
     write_atomic(out, cfg.to_yaml())
     return out
-
-
-# Resuming with a changed config. These cannot apply to a saved state: the weights or the
-# optimizer state would not fit, or the code that trains is another one.
-_FIXED_ON_RESUME = ("model.name", "model.hidden", "optim.name", "dist.strategy", "train.fn", "train.script",
-                    "train.precision",   # fp16 adds the scaler's state; opt_level is written as precision
-                    "data.name", "data.batch_size")   # (the data: a loader resumes mid-epoch by position)
-# These describe where and how the job runs, not what it learns: they change freely.
-_FREE_ON_RESUME = ("job.", "run_dir", "log.", "dist.backend", "dist.timeout_s", "dist.init_timeout_s",
-                   "dist.threads_per_rank", "checkpoint.")
-
-
-def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list[str]]:
-    """(refused, applied): ``section.key: old -> new`` for each field a resume would change.
-
-    Refused changes make the checkpoint unloadable (another model, optimizer or strategy).
-    Everything else applies from the resumed step on (what users expect when they edit a
-    config and resume: a lower lr, more steps); the built-in trainer re-applies the optimizer's
-    hyperparameters after loading, since the checkpoint carries the old ones.
-    """
-    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-    # A key the old config lacks (a field added since it was written) had its default then.
-    before, after = {**flat(Config().to_dict()), **flat(old)}, flat(new.to_dict())
-    refused, applied = [], []
-    for key in sorted(set(before) | set(after)):
-        if before.get(key) == after.get(key) or key.startswith(_FREE_ON_RESUME):
-            continue
-        line = f"{key}: {before.get(key)!r} -> {after.get(key)!r}"
-        (refused if key in _FIXED_ON_RESUME else applied).append(line)
-    return refused, applied
-
-
-def check_resume_changes(run_dir: Path, new: Config, warn) -> None:
-    """Before any worker starts: compare with the config the run's checkpoints were made with."""
-    old_path = Path(run_dir) / "config.yaml"
-    if not old_path.is_file() or not any((Path(run_dir) / "checkpoints").glob("step-*/commit.json")):
-        return
-    try:
-        old = yaml.safe_load(old_path.read_text()) or {}
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return   # unreadable: nothing to compare with; resume's own checks still apply
-    if not isinstance(old, dict):
-        return
-    refused, applied = changes_on_resume(old, new)
-    if refused:
-        raise UsageError(f"{run_dir} was trained with another config, which its checkpoints cannot load into: "
-                         f"{'; '.join(refused)}. Use the original values, or a new --run-dir (or --resume none)")
-    for line in applied:
-        warn(f"resuming with a changed config: {line} (applies from the resumed step on)")

@@ -17,6 +17,31 @@ class UsageError(Exception):
     """Bad input from the user: a config key, a value, a flag, a path, an environment variable."""
 
 
+class RunFailure(RuntimeError):
+    """A failure whose message names the cause and the fix: reported as one line, no traceback."""
+
+
+class CheckpointError(RunFailure):
+    """A checkpoint that cannot be loaded; the message names it and says why."""
+
+
+class RendezvousError(RunFailure):
+    """The ranks could not find each other or the first collective failed."""
+
+
+class NonFiniteError(RunFailure):
+    """Training diverged: a value summed with the step, or a weight about to be saved, is NaN or
+    infinite. Nothing is saved for that step; the last checkpoint stays the newest."""
+
+
+class WatchdogError(RunFailure):
+    """A rank stopped making progress and the watchdog ended it."""
+
+
+class ScriptFailed(RunFailure):
+    """The script exited non-zero; the message names the rank, the host and its last lines."""
+
+
 def closest(word: str, choices: Iterable[str]) -> str:
     """A ``; did you mean 'x'?`` suffix for ``word`` among ``choices``, or ``""``."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)

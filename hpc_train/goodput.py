@@ -190,7 +190,7 @@ class Ledger:
         self._write()
 
     def _write(self) -> None:
-        from hpc_train.config import write_atomic
+        from hpc_train.rundir import write_atomic
         try:
             write_atomic(self.path, json.dumps(self.rec, indent=1))
         except OSError:
@@ -206,7 +206,7 @@ def exited(run_dir: Path, since: float) -> None:
     """The launcher (local) or the batch shell's hook (Slurm), once every process has exited:
     the newest segment, if it began after ``since``, ends now (the processes' own teardown, and
     a killed rank 0 that never wrote its end, count up to here). Never raises."""
-    from hpc_train.config import write_atomic
+    from hpc_train.rundir import write_atomic
     try:
         rec = _read(Path(run_dir))
         if rec["segments"] and float(rec["segments"][-1].get("start", 0)) >= since - 1.0:

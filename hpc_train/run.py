@@ -21,7 +21,7 @@ A stop (Ctrl-C on ``run``, SIGTERM, the job's ``--signal``) is only recorded by 
 ``step_end`` folds it into one collective per step, which under DDP rides on the gradient
 all-reduce (:meth:`Run.watch`), so every rank stops at the same step, saves, and returns True.
 Code that never calls ``step_end`` is ended by the stop instead (see
-:class:`hpc_train.preemption.StopRun`), and the run is not marked finished.
+:class:`hpc_train.node.stops.StopRun`), and the run is not marked finished.
 """
 
 from __future__ import annotations
@@ -41,19 +41,17 @@ import torch.distributed as dist
 from torch import nn
 
 from hpc_train import config as config_mod
-from hpc_train import environment, rundir
-from hpc_train import state as state_mod
+from hpc_train import rundir
+from hpc_train.node import environment
+from hpc_train.ckpt import state as state_mod
 from hpc_train.config import Config
-from hpc_train.environment import NodeEnv
-from hpc_train.preemption import Agreement, StopRequest, stop_signals
+from hpc_train.node.environment import NodeEnv
+from hpc_train.node.stops import Agreement, StopRequest, record_stop, stop_signals
+
+from hpc_train.errors import NonFiniteError
 
 log = logging.getLogger("hpc_train")
 _current: Run | None = None
-
-
-class NonFiniteError(RuntimeError):
-    """Training diverged: a value summed with the step, or a weight about to be saved, is NaN or
-    infinite. Nothing is saved for that step; the last checkpoint stays the newest."""
 
 
 class Run:
@@ -110,7 +108,7 @@ class Run:
         :mod:`hpc_train.strategies`; DDP by default, when there is more than one rank). Under
         ``split``, ``stages`` are the model's parts in the order they apply (default: the
         model's ``stages()``). Every strategy keeps the per-step stop agreement."""
-        from hpc_train import strategies
+        from hpc_train.node import strategies
         model = model.to(self.device)
         self._wrapped = strategies.wrap(model, self.config.dist.strategy, self.device, multi=self._multi,
                                         local_rank=self.local_rank, local_world_size=self.local_world_size,
@@ -126,7 +124,7 @@ class Run:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's autocast context for ``train.precision`` (a no-op for fp32)."""
-        from hpc_train import precision
+        from hpc_train.node import precision
         return precision.autocast(self.config.train.precision, self.device)
 
     @property
@@ -134,7 +132,7 @@ class Run:
         """The run's GradScaler: enabled for ``train.precision=fp16`` (put it in ``state`` so its
         scale is checkpointed), a pass-through otherwise."""
         if self._scaler is None:
-            from hpc_train import precision
+            from hpc_train.node import precision
             self._scaler = precision.scaler(self.config.train.precision, self.device)
         return self._scaler
 
@@ -142,7 +140,7 @@ class Run:
                num_workers: int = 0, seed: int | None = None, **kwargs: Any):
         """This rank's shard of ``dataset``, resumable mid-epoch; each ``iter()`` is one epoch.
         Put it in ``state`` and a restore continues with exactly the unseen batches."""
-        from hpc_train.data import ShardedLoader
+        from hpc_train.node.loader import ShardedLoader
         return ShardedLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
                              seed=self.config.seed if seed is None else seed, shuffle=shuffle, drop_last=drop_last,
                              num_workers=num_workers, **kwargs)
@@ -164,7 +162,7 @@ class Run:
 
     def _checkpointer(self):
         if self._ckpt is None and self.config.checkpoint.enabled:
-            from hpc_train.checkpoint import Checkpointer
+            from hpc_train.ckpt.checkpointer import Checkpointer
             self._ckpt = Checkpointer(self.config.checkpoint, self.run_dir, self.rank, self.world_size,
                                       self.checkpoint_record, timeout_s=self.config.dist.timeout_s)
             self._ckpt.resumed_from = self._resumed_from
@@ -179,7 +177,9 @@ class Run:
         re-reading every file would multiply the I/O by the world size. If the chosen checkpoint
         fails to load on any rank, every rank moves on together to the next older one that
         rank 0 verifies, until one loads or none is left."""
-        from hpc_train import checkpoint, goodput, resume
+        from hpc_train import goodput
+        from hpc_train.ckpt import checkpointer as checkpoint
+        from hpc_train.ckpt import store as resume
         kinds = self._kinds(state)
         self.stop.listening = True   # code that restores will call step_end: a stop waits for it
         t_load = time.time()
@@ -244,7 +244,8 @@ class Run:
         the directory is complete by sizes, failing together if any rank cannot see it. ``error``:
         rank 0 could not choose; raised there, and every other rank stops too (rather than wait
         in the next collective)."""
-        from hpc_train import checkpoint, resume
+        from hpc_train.ckpt import checkpointer as checkpoint
+        from hpc_train.ckpt import store as resume
         if not self._multi:
             if error is not None:
                 raise error
@@ -366,22 +367,15 @@ class Run:
             self._ckpt.close()
         if self._monitor is not None:   # the loop may still log this step; closed at exit
             self._monitor.flush()
+        saved = self._ckpt is not None
+        record_stop(self.config.job, self.env, self.run_dir, self.stop, step=step, checkpoint=saved)
         if self.is_main:
-            saved = self._ckpt is not None
-            rec = {"stopped": True, "steps": step, "stop_signal": self.stop.name,
-                   "stop_received_at": self.stop.received_at, "checkpoint_committed_at": time.time() if saved else None,
-                   "checkpoint": saved}
-            if self.env.job_id:
-                from hpc_train.requeue import request_for_stop
-                rec["requeue"] = request_for_stop(self.config, self.env, self.run_dir, step, self.stop)
-                rec["requeue_requested_at"] = time.time()
-            rundir.write_json(self.run_dir / rundir.STOPPED, rec)
             log.info("%s by %s at step %d", "checkpoint saved" if saved else "stopped", self.stop.name, step)
 
     # -- reporting ---------------------------------------------------------------------------
     def _mon(self):
         if self._monitor is None:
-            from hpc_train.monitor import Monitor
+            from hpc_train.node.monitor import Monitor
             c = self.config
             self._monitor = Monitor(self.run_dir, self.total_steps, self._start_step, enabled=self.is_main,
                                     tensorboard=c.log.tensorboard, progress=c.log.progress)
@@ -463,8 +457,8 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
     global _current
     if _current is not None:
         return _current
-    from hpc_train import distributed
-    from hpc_train.monitor import setup_logging
+    from hpc_train.node import group as distributed
+    from hpc_train.logs import setup_logging
     env_cfg = os.environ.get(rundir.CONFIG_ENV)
     if isinstance(config, Config):
         cfg = config
@@ -489,7 +483,7 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
 
 def _teardown() -> None:
     """At exit of a process whose group ``init()`` created: let saves finish, then destroy the
-    group (after a collection, so no DDP reducer outlives it: see hpc_train.distributed)."""
+    group (after a collection, so no DDP reducer outlives it: see hpc_train.node.group)."""
     import gc
     run = _current
     if run is not None:

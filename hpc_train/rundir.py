@@ -22,8 +22,33 @@ CONFIG_ENV = "HPC_TRAIN_CONFIG"
 RUN_DIR_ENV = "HPC_TRAIN_RUN_DIR"
 
 
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Replace ``path`` in one rename, so a reader (or a kill) never sees half a file. Every
+    record in a run directory is written this way, and only this way.
+
+    The temporary file is created new (``O_EXCL``) and never through a symlink (``O_NOFOLLOW``),
+    and the rename replaces a symlink at ``path`` instead of writing to where it points: a link
+    planted in a run directory cannot make hpc_train overwrite another file.
+    """
+    import os
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    raw = data.encode() if isinstance(data, str) else data
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:   # left by a process of ours that died mid-write (same pid reused)
+        os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json(path: Path, obj: Any) -> None:
-    from hpc_train.config import write_atomic
     write_atomic(Path(path), json.dumps(obj, indent=2, default=str))
 
 

@@ -160,7 +160,7 @@ def _stoppable(name: str, cfg):
     import dataclasses
     import signal
 
-    from hpc_train import models
+    from hpc_train.trainer import models
     model = models.build(dataclasses.replace(cfg, name=name))
     spec = os.environ.get("HPC_TRAIN_TEST_STOP_AT_STEP")
     if not spec or os.environ.get("RANK") != "0":

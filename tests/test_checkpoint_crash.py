@@ -21,8 +21,8 @@ import time
 
 from ckpt_helpers import REPO, clean_env, kill9_workers, load_full, run, show, write_config
 
-from hpc_train import resume
-from hpc_train.ckpt_cli import verify_one
+from hpc_train.ckpt import store as resume
+from hpc_train.cli.ckpt import verify_one
 
 KILLS = 20
 CRASH_CFG = {"model": {"name": "mlp", "hidden": 2048, "dropout": 0.1},

@@ -13,11 +13,11 @@ import pytest
 
 from ckpt_helpers import hpc, run, show, snapshot, steps, write_config
 
-from hpc_train import resume
+from hpc_train.ckpt import store as resume
 from hpc_train.config import CheckpointSection
 
 KEEP_SKIPPED = CheckpointSection().keep_skipped
-from hpc_train.ckpt_cli import verify_one
+from hpc_train.cli.ckpt import verify_one
 
 
 @pytest.fixture(scope="module")

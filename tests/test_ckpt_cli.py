@@ -82,7 +82,8 @@ def test_export_loads_with_weights_only(copy, tmp_path):
     w6 = export(rd, tmp_path / "w6.pt")                              # default: newest complete
     w4 = export(rd, tmp_path / "w4.pt", step=4)
     # A plain state_dict of tensors that the model loads strictly.
-    from hpc_train import config, models
+    from hpc_train import config
+    from hpc_train.trainer import models
     model = models.build(config.load(cfg).model)
     model.load_state_dict(w6, strict=True)
     assert all(isinstance(v, torch.Tensor) for v in w6.values())
@@ -124,7 +125,7 @@ def evil_pickles(marker) -> dict[str, bytes]:
 def plant(ck, name: str, payload: bytes) -> None:
     """Replace one file of a checkpoint and update its commit record to match (size and checksum),
     as an attacker would: the checksums guard against rot, safe loading against this."""
-    from hpc_train import resume
+    from hpc_train.ckpt import store as resume
     (ck / name).write_bytes(payload)
     rec = json.loads((ck / "commit.json").read_text())
     rec["files"][name] = len(payload)

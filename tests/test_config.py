@@ -201,7 +201,7 @@ def test_string_fields_keep_the_text_as_written(job_file, field, text):
 
 
 def test_job_time_30_00_is_thirty_minutes(run_cli):
-    from hpc_train.scheduler import time_minutes
+    from hpc_train.login.scheduler import time_minutes
     r = run_cli("config", "jobs/digits.yaml", "--set", "job.time=30:00")
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["job"]["time"] == "30:00" and time_minutes("30:00") == 30

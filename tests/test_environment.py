@@ -3,7 +3,7 @@ layouts, the rendezvous port's properties, and the errors that teach.
 
 Every case runs the real command in a subprocess whose environment is built from scratch (no
 Slurm or torchrun variable leaks in from the machine running the tests). The pure function
-:func:`hpc_train.environment.derive` is also tested directly where many cases are needed.
+:func:`hpc_train.node.environment.derive` is also tested directly where many cases are needed.
 
 Slurm facts behind the cases (checked on Slurm 22.05.8, ``sbatch -N2 -n4`` on a real cluster):
 the batch script sees ``SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=4
@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from hpc_train.environment import PORT_BASE, PORT_SPAN, derive
+from hpc_train.node.environment import PORT_BASE, PORT_SPAN, derive
 from hpc_train.errors import UsageError
 
 

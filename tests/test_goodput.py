@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ckpt_helpers import REPO, clean_env, hpc, kill9_workers, show, write_config
 
-from hpc_train import goodput, resume
+from hpc_train import goodput
+from hpc_train.ckpt import store as resume
 
 
 def _metric_steps(run_dir: Path) -> list[int]:

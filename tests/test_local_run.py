@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train import resume
+from hpc_train.ckpt import store as resume
 
 RESULT_KEYS = {"train_loss", "test_accuracy", "steps", "epochs", "wall_seconds", "world_size"}
 PLUGINS = "tests.plugins_for_tests"
@@ -189,7 +189,7 @@ def test_digits_are_read_exactly_as_scikit_learn_loads_them():
     import numpy as np
     from sklearn.datasets import load_digits
 
-    from hpc_train import data
+    from hpc_train.trainer import data
     images, target = data._digits_arrays()
     ref = load_digits()
     assert images.dtype == ref.images.dtype and np.array_equal(images, ref.images)

@@ -90,7 +90,7 @@ def test_probe_detects_torch(py, clean_env, tmp_path):
 
 
 def test_importing_the_package_is_light(py, clean_env):
-    code = ("import sys, hpc_train, hpc_train.cli, hpc_train.config, hpc_train.environment, hpc_train.resume; "
+    code = ("import sys, hpc_train, hpc_train.cli.main, hpc_train.config, hpc_train.node.environment, hpc_train.ckpt.store; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorboard', 'torchdata')]; "
             "assert not bad, bad")
     r = subprocess.run([py, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)

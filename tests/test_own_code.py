@@ -215,7 +215,7 @@ def test_script_failing_on_one_rank_names_rank_host_and_last_lines(tmp_path):
 
 def test_dry_run_asks_for_the_configured_signal_and_leaves_the_environment_alone(tmp_path):
     from hpc_train.config import JobSection, load
-    from hpc_train.submission import dry_run_text, make_executor
+    from hpc_train.login.submission import dry_run_text, make_executor
     choices = JobSection.__dataclass_fields__["signal"].metadata["choices"]
     assert set(choices) == {"USR1", "USR2", "TERM", "INT", "HUP"}
     before = dict(os.environ)

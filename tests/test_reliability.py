@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import REPO, children, hpc, load_full, one_line_exit2, show, start, write_config
 
-from hpc_train import resume
+from hpc_train.ckpt import store as resume
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:
@@ -125,7 +125,7 @@ def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
     assert p.returncode == 1, err
     assert f"worker rank 1 failed (stopped responding): WatchdogError: rank 1 (pid {pid} on " in err, err
     log1 = (rd / "logs" / "rank-1.log").read_text()
-    assert "most recent call first" in log1 and "hpc_train/watchdog.py" in log1   # faulthandler's stack dump
+    assert "most recent call first" in log1 and "hpc_train/node/watchdog.py" in log1   # faulthandler's stack dump
     assert "Traceback" not in err
     for info in resume.scan(rd):                  # nothing half-written counts as complete
         if info.complete:
@@ -224,7 +224,7 @@ def test_a_full_disk_is_named_in_the_files_torch_writes(small_disk, tmp_path):
     per-rank files of a save and `ckpt export` say "No space left on device" instead, and export
     leaves no partial file behind."""
     import torch
-    from hpc_train import checkpoint
+    from hpc_train.ckpt import checkpointer as checkpoint
     full, _ = small_disk
     big = {"w": torch.zeros(1 << 18)}                                   # 1 MiB > the 700 KiB disk
     with pytest.raises(RuntimeError, match="enforce fail|unexpected pos"):   # control: torch alone

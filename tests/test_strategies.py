@@ -233,7 +233,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, straight):
 def test_devices_a_cpu_cannot_show_are_refused_inone_line_exit2():
     """No GPU here: the two refusals that need one are checked on their pure functions, with the
     device counts a GPU node would report (the CLI turns their UsageError into one line, exit 2)."""
-    from hpc_train import precision, strategies
+    from hpc_train.node import precision
+    from hpc_train.node import strategies
     from hpc_train.errors import UsageError
     with pytest.raises(UsageError, match=r"3 stages on 3 devices, but each process has 2 \(4 GPUs per node / 2"):
         strategies.stage_devices(3, torch.device("cuda", 0), 4, 1, 2)

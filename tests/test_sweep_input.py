@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train import environment, sweep
-from hpc_train.cli import build_parser
+from hpc_train.node import environment
+from hpc_train.login import sweep
+from hpc_train.cli.main import build_parser
 from hpc_train.errors import UsageError
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "jobs" / "digits.yaml")
@@ -151,8 +152,8 @@ def test_manifest_missing_is_a_usage_error(tmp_path):
 
 
 def test_a_task_is_completed_only_with_its_result():
-    from hpc_train.scheduler import JobState
-    from hpc_train.sweep_report import TaskRow, _state
+    from hpc_train.login.scheduler import JobState
+    from hpc_train.login.sweep_report import TaskRow, _state
     assert _state(JobState("1_0", "COMPLETED"), finished=False) == "FAILED"   # exit 0, no result.json
     assert _state(JobState("1_0", "COMPLETED"), finished=True) == "COMPLETED"
     assert _state(JobState("1_0", "CANCELLED by 0"), finished=False) == "CANCELLED"

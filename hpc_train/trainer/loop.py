@@ -26,12 +26,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from hpc_train import data as data_mod
-from hpc_train import models, strategies
+from hpc_train.trainer import data as data_mod
+from hpc_train.trainer import models
+from hpc_train.node import strategies
 from hpc_train.config import Config
 from hpc_train.errors import UsageError
 from hpc_train.run import Run
-from hpc_train.state import seed_everything
+from hpc_train.ckpt.state import seed_everything
 
 log = logging.getLogger("hpc_train")
 
@@ -117,7 +118,7 @@ class Trainer:
         self.scaler = run.scaler          # fp16: loss scaling; a pass-through otherwise
         seed_everything(cfg.seed + 1000003 * (run.rank + 1))
         self.progress = Progress()
-        from hpc_train.resume import model_signature
+        from hpc_train.ckpt.store import model_signature
         run.checkpoint_record["model"] = model_signature(cfg)   # resume refuses another model config early
         self.state: dict[str, Any] = {"model": self.model, "optim": self.optimizer, "sched": self.scheduler,
                                       "loader": self.loader, "progress": self.progress, "step": 0}

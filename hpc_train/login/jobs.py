@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from hpc_train import scheduler
+from hpc_train.login import scheduler
 from hpc_train.errors import UsageError
-from hpc_train.monitor import read_metrics
+from hpc_train.logs import read_metrics
 
 
 def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
@@ -48,10 +48,9 @@ def _budget_line(run_dir: Path) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from hpc_train import sweep
-    if args.target is not None and sweep.is_sweep(Path(args.target)):
-        from hpc_train.sweep_report import print_status
-        return print_status(Path(args.target))
+    from hpc_train.login import sweep_report
+    if args.target is not None and sweep_report.is_sweep(Path(args.target)):
+        return sweep_report.print_status(Path(args.target))
     pairs = _resolve(args.target)
     states = scheduler.query([j for _, ids in pairs for j in ids]) if any(ids for _, ids in pairs) else {}
     for run_dir, ids in pairs:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -245,3 +246,19 @@ def torchrun_vars(env: NodeEnv) -> dict[str, str]:
     return {"RANK": str(env.rank), "LOCAL_RANK": str(env.local_rank), "WORLD_SIZE": str(env.world_size),
             "LOCAL_WORLD_SIZE": str(env.local_world_size), "GROUP_RANK": str(env.node_rank),
             "MASTER_ADDR": env.master_addr, "MASTER_PORT": str(env.master_port)}
+
+
+def _address() -> str:
+    """This host's address as the other nodes would reach it (for the log; never fatal)."""
+    import socket
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "address unknown"
+
+
+def log_placement(env: NodeEnv) -> None:
+    logging.getLogger("hpc_train").info(
+        "on-node environment: source=%s rank %d/%d local %d/%d node %d/%d host %s (%s) pid %d job %s restart %d",
+        env.source, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.num_nodes,
+        os.uname().nodename, _address(), os.getpid(), env.job_id, env.restart_count)

@@ -22,6 +22,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("hpc_train")
 ESCALATE_AFTER_S = 10.0   # how long code gets to reach run.step_end after a stop before it is ended
@@ -199,3 +201,22 @@ def _agreement_hook(state: Agreement, bucket):
 def _first(fut):
     # A Python comm hook's future must hold a Python object (DDP asserts it): the bucket tensor.
     return fut.value()[0]
+
+
+def record_stop(job: Any, env: Any, run_dir: Path, stop: StopRequest, step: int | None, checkpoint: bool) -> dict[str, Any] | None:
+    """Rank 0 at a stop: the one writer of ``stopped.json``, and of the requeue request under
+    Slurm (``job``: the config's job section). ``step`` is None and ``checkpoint`` False when
+    the code never acted on the stop (a plain script, or code that never called
+    ``run.step_end``): hpc_train saved nothing, and the code resumes from what it saved itself."""
+    if env.rank != 0:
+        return None
+    from hpc_train import rundir
+    rec: dict[str, Any] = {"stopped": True, "steps": step, "stop_signal": stop.name,
+                           "stop_received_at": stop.received_at,
+                           "checkpoint_committed_at": time.time() if checkpoint else None, "checkpoint": checkpoint}
+    if env.job_id:
+        from hpc_train.requeue import request_for_stop
+        rec["requeue"] = request_for_stop(job, env, run_dir, step or 0, stop)
+        rec["requeue_requested_at"] = time.time()
+    rundir.write_json(Path(run_dir) / rundir.STOPPED, rec)
+    return rec

@@ -33,8 +33,11 @@ from typing import IO, Any
 
 from hpc_train import rundir
 from hpc_train.config import Config
-from hpc_train.environment import NodeEnv
-from hpc_train.preemption import StopRequest
+from hpc_train.node import environment
+from hpc_train.node.environment import NodeEnv
+from hpc_train.node.stops import StopRequest
+
+from hpc_train.errors import ScriptFailed
 
 log = logging.getLogger("hpc_train")
 TAIL_LINES = 15
@@ -55,12 +58,12 @@ def _tee(src: IO[bytes], console: IO[bytes], logfile: IO[bytes], tail: collectio
 
 
 def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[str, Any]:
-    from hpc_train.worker import log_placement, stopped_without_checkpoint
+    from hpc_train.node.stops import record_stop
     script = Path(cfg.train.script)
     if (rd / rundir.RESULT).exists():
         log.info("%s holds a finished run (result.json); not running %s again", rd, script)
         return json.loads((rd / rundir.RESULT).read_text())
-    log_placement(env)
+    environment.log_placement(env)
     started = time.time()
     cmd = [sys.executable, "-u", str(script), *cfg.train.args]
     log.info("running %s", " ".join(cmd))
@@ -93,7 +96,7 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
         handled = stopped.exists() and stopped.stat().st_mtime >= started and json.loads(stopped.read_text()).get(
             "checkpoint")
         if not handled:     # the script never saw the stop through run.step_end
-            stopped_without_checkpoint(cfg, env, rd, stop)
+            record_stop(cfg.job, env, rd, stop, step=None, checkpoint=False)
         log.info("the script stopped (%s; it %s)", stop.name, _how(code))
         return {"stopped": True, "exit_code": code}
     if code != 0:
@@ -106,10 +109,6 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
         rundir.write_json(rd / rundir.RESULT, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                                                "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
-
-
-class ScriptFailed(RuntimeError):
-    """The script exited non-zero; the message names the rank, the host and its last lines."""
 
 
 def _how(code: int) -> str:

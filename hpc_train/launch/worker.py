@@ -14,17 +14,17 @@ import json
 import logging
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hpc_train import config as config_mod
-from hpc_train import environment, rundir
+from hpc_train import rundir
+from hpc_train.node import environment
 from hpc_train.config import Config
-from hpc_train.errors import UsageError, says_peer_lost
-from hpc_train.monitor import setup_logging
+from hpc_train.errors import RunFailure, ScriptFailed, UsageError, says_peer_lost
+from hpc_train.logs import setup_logging
 
 log = logging.getLogger("hpc_train")
 
@@ -36,13 +36,13 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     **kwargs)`` or, under supervision, ``train.script``. Returns the trainer's result dict (the
     same on every rank) or the callable's return value. ``leaving``: the caller ends the process
     through :func:`exit_done` or :func:`exit_now`, so the process group is left for the exit to
-    release (see :func:`hpc_train.distributed.shutdown`)."""
+    release (see :func:`hpc_train.node.group.shutdown`)."""
     if isinstance(cfg, dict):
         cfg = config_mod.from_dict(cfg)
     rd = Path(run_dir) if run_dir else cfg.resolved_run_dir()
     from hpc_train import goodput
     goodput.mark("worker")
-    from hpc_train.preemption import StopRequest, stop_signals
+    from hpc_train.node.stops import StopRequest, stop_signals
     # Stop signals first: one that arrives during start-up is then recorded, not fatal.
     stop = StopRequest()
     stop.install(stop_signals(cfg.job.signal), escalate=not (cfg.train.script and target is None))
@@ -53,7 +53,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     os.environ[rundir.RUN_DIR_ENV] = str(rd.absolute())
     os.environ[rundir.CONFIG_ENV] = str((rd / rundir.CONFIG).absolute())
     _quiet_thread_os_errors()
-    from hpc_train import watchdog
+    from hpc_train.node import watchdog
     watchdog.enable_stack_dumps(rundir.rank_log(rd, env.rank))
     heartbeat = watchdog.Heartbeat(rd, env.rank).start()
     lock = None
@@ -65,12 +65,12 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
             if env.job_id and step is not None and env.world_size > 1:
                 watchdog.watch_slurm_job(rd, env.world_size, cfg.dist.timeout_s, f"{env.job_id}.{step}")
         if cfg.train.script and target is None:
-            from hpc_train.supervise import supervise
+            from hpc_train.launch.supervise import supervise
             return supervise(cfg, env, rd, stop)
         goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code
         return _run(cfg, env, rd, stop, target, args, kwargs or {}, leaving)
     except BaseException as e:
-        if type(e).__name__ == "ScriptFailed":    # its error file is written, naming rank and host
+        if isinstance(e, ScriptFailed):    # its error file is written, naming rank and host
             raise
         line = _one_line(e)
         # A one-file summary the launcher shows when this rank dies (like torchelastic's error file):
@@ -90,10 +90,6 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
         heartbeat.stop()
         if lock is not None:
             lock.release()
-
-
-# Errors whose message names the cause and the fix; anything else is logged with its traceback.
-_EXPECTED = {"NonFiniteError", "CheckpointError", "RendezvousError", "WatchdogError"}
 
 
 def _quiet_thread_os_errors() -> None:
@@ -117,7 +113,7 @@ def _one_line(e: BaseException) -> str | None:
     if isinstance(e, OSError):      # a full or read-only disk: which file, and what to do
         from hpc_train.errors import os_error_line
         return f"{type(e).__name__}: {os_error_line(e)}"
-    if type(e).__name__ in _EXPECTED:
+    if isinstance(e, RunFailure):   # names the cause and the fix; anything else keeps its traceback
         return f"{type(e).__name__}: {e}"
     text = str(e)
     if _peer_lost(e):
@@ -130,22 +126,6 @@ def _one_line(e: BaseException) -> str | None:
 def _peer_lost(e: BaseException) -> bool:
     """A collective failed because a peer went away (gloo's and the store's wording)."""
     return isinstance(e, RuntimeError) and says_peer_lost(str(e))
-
-
-def _address() -> str:
-    """This host's address as the other nodes would reach it (for the log; never fatal)."""
-    import socket
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "address unknown"
-
-
-def log_placement(env: environment.NodeEnv) -> None:
-    log.info("on-node environment: source=%s rank %d/%d local %d/%d node %d/%d host %s (%s) pid %d job %s "
-             "restart %d", env.source, env.rank, env.world_size, env.local_rank, env.local_world_size,
-             env.node_rank, env.num_nodes, os.uname().nodename, _address(), os.getpid(), env.job_id,
-             env.restart_count)
 
 
 def _call_fn(fn: Callable[..., Any], cfg: Config, env: environment.NodeEnv, device: Any) -> Any:
@@ -162,19 +142,19 @@ def _call_fn(fn: Callable[..., Any], cfg: Config, env: environment.NodeEnv, devi
 
 def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, args: tuple, kwargs: dict,
          leaving: bool) -> Any:
-    from hpc_train import distributed   # imports torch: only on the training path
+    from hpc_train.node import group as distributed   # imports torch: only on the training path
     from hpc_train import goodput
-    from hpc_train import resume as resume_mod
+    from hpc_train.ckpt import store as resume_mod
     from hpc_train import run as run_mod
-    from hpc_train import watchdog
-    from hpc_train.preemption import StopRun
+    from hpc_train.node import watchdog
+    from hpc_train.node.stops import StopRun, record_stop
 
     if resume_mod.is_finished(rd):
         # A finished run never trains again, whether requeued or resubmitted.
         log.info("%s holds a finished run (result.json); not training again", rd)
         return json.loads((rd / rundir.RESULT).read_text())
     goodput.mark("torch")
-    log_placement(env)
+    environment.log_placement(env)
     device = distributed.init(env, cfg.dist)
     goodput.mark("group")
     run = run_mod.start(cfg, env, rd, stop, device)
@@ -197,7 +177,7 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
                 goodput.resume_gc()
                 out = _call_fn(fn, cfg, env, device)
             else:
-                from hpc_train.trainer import Trainer
+                from hpc_train.trainer.loop import Trainer
                 stop.listening = True   # the built-in loop acts on stops at its next step_end
                 trainer = Trainer(cfg, run)
                 out = trainer.fit()
@@ -218,7 +198,7 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
             log.warning("stopped by %s before the code called run.step_end (a peer left for the same stop "
                         "while this rank waited in a collective): nothing was saved by hpc_train", stop.name)
         if stop.requested and not run.stopped and not run.finished:
-            stopped_without_checkpoint(cfg, env, rd, stop)
+            record_stop(cfg.job, env, rd, stop, step=None, checkpoint=False)
         elif not run.stopped and not run.finished:
             # The code returned without run.finish(): it is done all the same.
             run.finish(out if isinstance(out, dict) else {"result": out})
@@ -237,21 +217,6 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
                 raise
         run_mod._current = None
         distributed.shutdown(clean and not interrupted, destroy=not leaving)
-
-
-def stopped_without_checkpoint(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any) -> None:
-    """A stop that the code never acted on (a plain script, or a callable that never called
-    run.step_end): nothing was saved by hpc_train; rank 0 records the stop and asks for the
-    requeue, and the code resumes from whatever it saved itself."""
-    if env.rank != 0:
-        return
-    rec: dict[str, Any] = {"stopped": True, "steps": None, "checkpoint": False, "stop_signal": stop.name,
-                           "stop_received_at": stop.received_at}
-    if env.job_id:
-        from hpc_train.requeue import request_for_stop
-        rec["requeue"] = request_for_stop(cfg, env, rd, 0, stop)
-        rec["requeue_requested_at"] = time.time()
-    rundir.write_json(rd / rundir.STOPPED, rec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 def release_group() -> None:
     """Before a normal exit of a process whose worker ran with ``leaving=True``: release the
     process group it left for ``os._exit`` (a no-op where torch was never imported)."""
-    if "hpc_train.distributed" in sys.modules:
-        sys.modules["hpc_train.distributed"].release()
+    if "hpc_train.node.group" in sys.modules:
+        sys.modules["hpc_train.node.group"].release()
 
 
 def exit_done(code: int) -> None:

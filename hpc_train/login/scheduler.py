@@ -9,7 +9,6 @@ backs off. No torch here.
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 import subprocess
@@ -18,32 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_train.config import JobSection, write_atomic
+from hpc_train.config import JobSection, time_minutes
+from hpc_train.rundir import write_atomic
 from hpc_train.errors import UsageError, closest
 
-_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED", "REVOKED"}
-
-
-def time_minutes(spec: str) -> int:
-    """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in whole minutes."""
-    m = _TIME_RE.match(spec.strip())
-    if not m or spec.strip().upper() in ("", "UNLIMITED"):
-        raise UsageError(f"job.time: {spec!r} is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS "
-                         f"(e.g. 30, 01:30:00, 2-00:00:00)")
-    days, a, b, c = m.groups()
-    if days is not None:            # D-HH[:MM[:SS]]
-        secs = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
-    elif c is not None:             # HH:MM:SS
-        secs = int(a) * 3600 + int(b) * 60 + int(c)
-    elif b is not None:             # MM:SS
-        secs = int(a) * 60 + int(b)
-    else:                           # MM
-        secs = int(a) * 60
-    if secs <= 0:
-        raise UsageError(f"job.time: {spec!r} is zero; give a positive time limit")
-    return max(1, math.ceil(secs / 60))
 
 
 def require_slurm() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from hpc_train.errors import EXIT_USAGE, UsageError
+from hpc_train.login.args import load
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,8 +52,6 @@ def _add_resource_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
 
 
-RESOURCE_KEYS = ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem", "time", "partition",
-                 "account", "qos", "constraint", "signal_lead", "exclusive")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,44 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _load(args: argparse.Namespace):
-    from hpc_train import config
-    extra: dict = {"run_dir": args.run_dir} if getattr(args, "run_dir", None) else {}
-    job = {k: getattr(args, k) for k in RESOURCE_KEYS if getattr(args, k, None) is not None}
-    if getattr(args, "job_name", None) is not None:
-        job["name"] = args.job_name
-    script, fn = getattr(args, "script", None), getattr(args, "fn", None)
-    if args.config is None and not (script or fn):
-        raise UsageError(f"{args.command}: give a job config (e.g. jobs/digits.yaml), --script PATH or --fn PKG.MOD:FN")
-    if script:
-        from hpc_train.rundir import check_path
-        check_path(Path(script).absolute(), "--script")
-        path = Path(script)
-        if not path.exists():
-            raise UsageError(f"--script {script}: no such file")
-        if not path.is_file():
-            raise UsageError(f"--script {script}: is a directory, not a Python script")
-        extra["train"] = {"script": str(path.absolute()), "args": list(getattr(args, "script_args", []))}
-        if args.config is None and "name" not in job:
-            job["name"] = path.stem
-    elif getattr(args, "script_args", None):
-        raise UsageError(f"arguments after `--` ({' '.join(args.script_args)}) go to a --script; there is none")
-    if fn:
-        extra["train"] = {"fn": fn}
-        if args.config is None and "name" not in job:
-            job["name"] = fn.rpartition(":")[2] or "fn"
-    if job:
-        extra["job"] = job
-    return config.load(args.config, args.overrides, extra)
-
-
 def cmd_config(args: argparse.Namespace) -> int:
-    print(_load(args).to_yaml(), end="")
+    print(load(args).to_yaml(), end="")
     return 0
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from hpc_train import environment
+    from hpc_train.node import environment
     env = environment.current()
     if args.json:
         print(env.to_json())
@@ -190,14 +157,6 @@ def check_plugins(cfg) -> None:
             resolve(value, field)
 
 
-def check_plugins_light(cfg) -> None:
-    """For commands that must not import torch: the plug-in modules exist (not imported)."""
-    from hpc_train.plugins import check_findable
-    for field, value in (("model.name", cfg.model.name), ("data.name", cfg.data.name), ("train.fn", cfg.train.fn)):
-        if value and ":" in value:
-            check_findable(value, field)
-
-
 def check_backend(cfg) -> None:
     """``run`` trains here, so a backend this machine cannot provide is a usage error now, not a
     traceback in every worker. (``submit``/``sbatch`` must not check: the login node has no GPU.)"""
@@ -210,14 +169,16 @@ def check_backend(cfg) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from hpc_train import config as config_mod
-    from hpc_train import launch, rundir
+    from hpc_train import rundir
+    from hpc_train.launch import local as launch
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
-    cfg = _load(args)
+    cfg = load(args)
     check_plugins(cfg)
     check_backend(cfg)
-    from hpc_train import precision, strategies
-    strategies.check_launch(cfg.dist.strategy, args.nproc)   # run: every process is on this node
+    from hpc_train.config import check_launch
+    from hpc_train.node import precision
+    check_launch(cfg.dist.strategy, args.nproc)   # run: every process is on this node
     precision.check_here(cfg.train.precision, cfg.dist.backend)
     port = launch.rendezvous_port()   # a bad MASTER_PORT fails here, before anything is written
     run_dir = cfg.resolved_run_dir().absolute()
@@ -232,12 +193,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if run_dir.exists():
         lock.acquire()
     try:
-        from hpc_train import resume
+        from hpc_train.ckpt import compat
+        from hpc_train.ckpt import store as resume
 
         def warn(m: str) -> None:
             print(f"hpc_train: warning: {m}", file=sys.stderr)
         if args.resume != "none":
-            config_mod.check_resume_changes(run_dir, cfg, warn)
+            compat.check_resume_changes(run_dir, cfg, warn)
         # Refuses bad resumes before anything is written; names any checkpoint it skips.
         plan = resume.plan(run_dir, args.resume, cfg, warn=warn)
         if plan.finished:
@@ -256,7 +218,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from hpc_train import worker
+    from hpc_train.launch import worker
     return worker.main(["--config", args.config] + (["--run-dir", args.run_dir] if args.run_dir else []))
 
 
@@ -270,11 +232,11 @@ def _lazy(target: str):
 
 
 COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_worker,
-            "submit": _lazy("hpc_train.submission:cmd_submit"), "sbatch": _lazy("hpc_train.sbatch:cmd_sbatch"),
-            "status": _lazy("hpc_train.jobs:cmd_status"), "logs": _lazy("hpc_train.jobs:cmd_logs"),
-            "cancel": _lazy("hpc_train.jobs:cmd_cancel"),
-            "sweep": _lazy("hpc_train.sweep_report:cmd_sweep"), "ckpt": _lazy("hpc_train.ckpt_cli:cmd_ckpt"),
-            "requeue-hook": _lazy("hpc_train.requeue:cmd_requeue_hook")}
+            "submit": _lazy("hpc_train.cli.submit:cmd_submit"), "sbatch": _lazy("hpc_train.login.sbatch:cmd_sbatch"),
+            "status": _lazy("hpc_train.login.jobs:cmd_status"), "logs": _lazy("hpc_train.login.jobs:cmd_logs"),
+            "cancel": _lazy("hpc_train.login.jobs:cmd_cancel"),
+            "sweep": _lazy("hpc_train.login.sweep_report:cmd_sweep"), "ckpt": _lazy("hpc_train.cli.ckpt:cmd_ckpt"),
+            "requeue-hook": _lazy("hpc_train.login.hook:cmd_requeue_hook")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@
 ``none``
     The model as it is (no gradient averaging: each rank trains its own copy).
 
-This module imports torch lazily: :func:`check_launch` runs in the CLI before any worker.
+This module imports torch lazily.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hpc_train.config import STRATEGIES, check_launch
 from hpc_train.errors import UsageError
 
 if TYPE_CHECKING:
@@ -41,18 +42,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 log = logging.getLogger("hpc_train")
-STRATEGIES = ("ddp", "fsdp", "dp", "allreduce", "split", "none")
 BUCKET_BYTES = 25 * 2**20   # DDP's default bucket_cap_mb
-
-
-def check_launch(strategy: str, procs_per_node: int) -> None:
-    """Refuse what cannot run before any worker starts (torch-free)."""
-    if strategy == "dp" and procs_per_node > 1:
-        raise UsageError(
-            f"config: dist.strategy=dp runs one process per node that drives all its GPUs, but {procs_per_node} "
-            f"processes per node were asked for; use dist.strategy=ddp (one process per GPU: no GIL contention, "
-            f"no per-step scatter/gather through GPU 0, gradients reduced while backward runs), or one process "
-            f"per node (--nproc 1, job.tasks_per_node=1)")
 
 
 def stage_devices(n_stages: int, device: torch.device, device_count: int, local_rank: int,

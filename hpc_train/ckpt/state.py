@@ -48,7 +48,7 @@ def kind_of(key: str, value: Any) -> str:
                              f"(no state_dict()); use run.loader(dataset, batch_size) or torchdata's "
                              f"StatefulDataLoader, or leave the loader out of state")
         return "per_rank"
-    if getattr(value, "hpc_train_per_rank", False):   # hpc_train.data.ShardedLoader
+    if getattr(value, "hpc_train_per_rank", False):   # hpc_train.node.loader.ShardedLoader
         return "per_rank"
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
         return "stateful"

@@ -35,11 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_train import requeue, scheduler
-from hpc_train.config import Config, write_atomic
+from hpc_train.login import hook as requeue
+from hpc_train.login import scheduler
+from hpc_train.config import Config
+from hpc_train.login.sweep_report import MANIFEST, is_sweep, read_manifest
+from hpc_train.rundir import write_atomic
 from hpc_train.errors import UsageError, closest, show
 
-MANIFEST = "sweep.json"
 FILE_KEYS = ("grid", "points", "seeds")
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
 
@@ -59,10 +61,10 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def read_file(path: Path) -> dict[str, Any]:
     """A sweep file's mapping, read with the config's safe loader."""
-    from hpc_train import config
+    from hpc_train import config_yaml
     if not path.is_file():
         raise UsageError(f"--sweep {path}: no such file (a sweep file is YAML with grid:, points:, seeds:)")
-    data = config._read_file(path)   # same safety as a config file: text scalars, no aliases/duplicates
+    data = config_yaml.read_file(path)   # same safety as a config file: text scalars, no aliases/duplicates
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -148,7 +150,7 @@ def task_name(index: int, point: dict[str, Any], width: int) -> str:
 
 def configs(args: argparse.Namespace, points: list[dict[str, Any]], source: str, sweep_dir: Path) -> list[Config]:
     """One validated Config per point: the command's config and ``--set``s, then the point, then flags."""
-    from hpc_train.cli import _load, check_plugins_light
+    from hpc_train.login.args import check_plugins_light, load as _load
     width = len(str(len(points) - 1))
     out = []
     for i, point in enumerate(points):
@@ -165,25 +167,9 @@ def configs(args: argparse.Namespace, points: list[dict[str, Any]], source: str,
 
 
 # -- the manifest --------------------------------------------------------------------------
-def read_manifest(sweep_dir: Path) -> dict[str, Any]:
-    path = Path(sweep_dir) / MANIFEST
-    if not path.exists():
-        raise UsageError(f"{sweep_dir} is not a sweep directory (no {MANIFEST}); give the --run-dir of a sweep")
-    return json.loads(path.read_text())
-
-
-def is_sweep(path: Path) -> bool:
-    return (Path(path) / MANIFEST).exists()
-
-
-def latest_job(task: dict[str, Any]) -> str | None:
-    """The job id (``ARRAY_INDEX``, or a plain id for a one-task submission) a task last ran as."""
-    return task["jobs"][-1] if task.get("jobs") else None
-
-
 # -- submission ----------------------------------------------------------------------------
 def _executor(cfg: Config, sweep_dir: Path, map_file: Path, parallelism: int, dry_run: bool = False):
-    from hpc_train.submission import make_executor
+    from hpc_train.login.submission import make_executor
     ex = make_executor(cfg, sweep_dir, dry_run=dry_run)
     # The batch shell's requeue hook must look at this task's run dir: line INDEX+1 of the map.
     # A one-task submission is a plain job (submitit submits no array of one): index 0.
@@ -197,7 +183,7 @@ def _executor(cfg: Config, sweep_dir: Path, map_file: Path, parallelism: int, dr
 def _submit_array(cfgs: list[Config], sweep_dir: Path, parallelism: int, number: int) -> list[str]:
     """One array job (submitit's batch) for these configs; returns the job ids, in order."""
     from hpc_train import config as config_mod
-    from hpc_train.submission import SlurmEntry
+    from hpc_train.login.submission import SlurmEntry
     map_file = sweep_dir / f"submission-{number}.tasks"
     write_atomic(map_file, "".join(f"{c.run_dir}\n" for c in cfgs))
     ex = _executor(cfgs[0], sweep_dir, map_file, parallelism)
@@ -234,7 +220,7 @@ def submit(args: argparse.Namespace, cfg: Config, sweep_dir: Path) -> int:
             print(f"# task {i}: {describe(p)} -> {c.run_dir}")
         ex = _executor(cfg, sweep_dir, sweep_dir / "submission-1.tasks", args.array_parallelism, dry_run=True)
         ex.parameters["map_count"] = len(cfgs)   # the array line, as submitit writes it for a batch
-        from hpc_train.submission import dry_run_text
+        from hpc_train.login.submission import dry_run_text
         print(dry_run_text(ex), end="")
         return 0
     if is_sweep(sweep_dir):
@@ -258,7 +244,7 @@ def submit(args: argparse.Namespace, cfg: Config, sweep_dir: Path) -> int:
 def resubmit_failed(args: argparse.Namespace) -> int:
     """``submit --resubmit-failed SWEEP_DIR``: one new array of the tasks that ended unfinished."""
     from hpc_train import config as config_mod
-    from hpc_train.sweep_report import task_rows
+    from hpc_train.login.sweep_report import task_rows
     sweep_dir = Path(args.resubmit_failed).absolute()
     manifest = read_manifest(sweep_dir)
     rows = task_rows(manifest)

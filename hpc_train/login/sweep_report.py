@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_train import scheduler
+from hpc_train.login import scheduler
 from hpc_train.errors import UsageError
 from hpc_train.rundir import RESULT
-from hpc_train.sweep import read_manifest
 
 # Ended without finishing: what --resubmit-failed takes. A PREEMPTED that is final was not requeued.
 UNFINISHED_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -45,6 +44,25 @@ class TaskRow:
     @property
     def resubmittable(self) -> bool:
         return not self.finished and self.state in UNFINISHED_STATES
+
+
+MANIFEST = "sweep.json"
+
+
+def read_manifest(sweep_dir: Path) -> dict[str, Any]:
+    path = Path(sweep_dir) / MANIFEST
+    if not path.exists():
+        raise UsageError(f"{sweep_dir} is not a sweep directory (no {MANIFEST}); give the --run-dir of a sweep")
+    return json.loads(path.read_text())
+
+
+def is_sweep(path: Path) -> bool:
+    return (Path(path) / MANIFEST).exists()
+
+
+def latest_job(task: dict[str, Any]) -> str | None:
+    """The job id (``ARRAY_INDEX``, or a plain id for a one-task submission) a task last ran as."""
+    return task["jobs"][-1] if task.get("jobs") else None
 
 
 def _records(run_dir: Path, tail: bool) -> list[dict[str, Any]]:
@@ -158,7 +176,7 @@ def summary(sweep_dir: Path, metric: str, descending: bool, csv_path: Path | Non
         w.writerow([n, r.index, "" if r.value is None else repr(r.value), "" if r.step is None else r.step, r.state,
                     *(ov.get(k, "") for k in keys), r.run_dir])
     out = csv_path or Path(sweep_dir) / "summary.csv"
-    from hpc_train.config import write_atomic
+    from hpc_train.rundir import write_atomic
     write_atomic(out, buf.getvalue())
     return rows
 

@@ -12,7 +12,7 @@ checkpoint is about to be trusted: by :func:`plan` when choosing what to resume 
 and rank 0 in the workers) and by ``ckpt verify``. CRC-32 rather than a cryptographic hash: it
 detects every single-bit error and burst up to 32 bits, and zlib's runs at 1.2-1.7 GB/s here
 against 0.5-0.6 GB/s for blake2b (200 MiB, page cache); it guards against rot, not against
-someone who edits commit.json too (safe loading in hpc_train.checkpoint covers that).
+someone who edits commit.json too (safe loading in hpc_train.ckpt.checkpointer covers that).
 
 Resume policy (``--resume``):
 

@@ -22,14 +22,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hpc_train.errors import RendezvousError
 from hpc_train.config import DistSection
-from hpc_train.environment import NodeEnv
+from hpc_train.node.environment import NodeEnv
 
 log = logging.getLogger("hpc_train")
-
-
-class RendezvousError(RuntimeError):
-    """The ranks could not find each other or the first collective failed."""
 
 
 def choose_backend(requested: str) -> str:
@@ -54,7 +51,7 @@ def bind_device(env: NodeEnv, backend: str, threads_per_rank: int, strategy: str
         index = env.local_rank
         if strategy == "split":
             # Each process owns a block of the node's GPUs for its stages; it binds the first.
-            from hpc_train.strategies import split_base_device
+            from hpc_train.node.strategies import split_base_device
             index = split_base_device(count, env.local_rank, env.local_world_size)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)

@@ -37,19 +37,6 @@ from hpc_train.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-OPT_LEVELS = {"O0": "fp32", "O1": "fp16", "O2": "fp16"}
-
-
-def resolve(precision: str, opt_level: str) -> str:
-    """The precision ``train.precision`` and ``train.opt_level`` name together (torch-free)."""
-    if opt_level == "none":
-        return precision
-    mapped = OPT_LEVELS[opt_level]
-    if precision != "fp32" and precision != mapped:
-        raise UsageError(f"config: train.opt_level={opt_level} means train.precision={mapped}, but "
-                         f"train.precision={precision} is set too; set only one of them")
-    return mapped
 
 
 def check(precision: str, device_type: str, bf16_supported: bool) -> None:

@@ -38,7 +38,7 @@ def rendezvous_port(environ: dict[str, str] | None = None) -> int:
     else a port that is free now."""
     environ = os.environ if environ is None else environ
     if environ.get("MASTER_PORT"):
-        from hpc_train.environment import derive_port
+        from hpc_train.node.environment import derive_port
         return derive_port({"MASTER_PORT": environ["MASTER_PORT"]}, None)
     return free_port()
 
@@ -94,7 +94,7 @@ def _culprit(run_dir: Path, ranks: list[int]) -> int:
 
 def _name_frozen(run_dir: Path, procs: list[subprocess.Popen], rank: int, age: float) -> None:
     """Say which rank froze, and have every rank write its stack (the frozen one once continued)."""
-    from hpc_train import watchdog
+    from hpc_train.node import watchdog
     msg = watchdog.describe(run_dir, rank, age)
     print(f"hpc_train: {msg}; ending the run", file=sys.stderr, flush=True)
     (run_dir / "logs" / f"rank-{rank}.error").write_text(f"WatchdogError: {msg}\n")
@@ -110,7 +110,7 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     ``hang_s`` (``dist.timeout_s``): a rank whose heartbeat is older than this has stopped
     responding (see :mod:`hpc_train.watchdog`); it is named, every rank writes its stack, and
     the run ends."""
-    from hpc_train import watchdog
+    from hpc_train.node import watchdog
     for stale in (run_dir / "logs").glob("rank-*.error"):
         stale.unlink()
     started = time.time()

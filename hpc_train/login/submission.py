@@ -1,7 +1,7 @@
 """``python -m hpc_train submit`` and :func:`submit`: send a job to Slurm through submitit.
 
 submitit pickles the callable, writes the sbatch script, and starts the callable in every srun
-task. The callable here is :class:`SlurmEntry`, which runs :func:`hpc_train.worker.run_worker`
+task. The callable here is :class:`SlurmEntry`, which runs :func:`hpc_train.launch.worker.run_worker`
 (the same on-node path as ``run`` and the rendered sbatch script), or a user's own callable
 with the process group already set up.
 
@@ -15,7 +15,6 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -24,7 +23,9 @@ from typing import Any
 
 import shlex
 
-from hpc_train import requeue, scheduler
+from hpc_train.login import hook as requeue
+from hpc_train.requeue import requested
+from hpc_train.login import scheduler
 from hpc_train.config import Config, load
 from hpc_train.errors import UsageError
 
@@ -40,7 +41,12 @@ class SlurmEntry:
     def __call__(self) -> Any:
         import signal
 
-        from hpc_train.worker import exit_done, exit_now, release_group, run_worker
+        # The node side is started by name, as a batch script starts it with `python -m
+        # hpc_train worker`: the login side that pickled this entry never imports it.
+        import importlib
+        worker = importlib.import_module("hpc_train.launch.worker")
+        exit_done, exit_now, release_group, run_worker = (worker.exit_done, worker.exit_now,
+                                                          worker.release_group, worker.run_worker)
         os.environ.setdefault("HPC_TRAIN_RESUME", self.resume)
         # submitit installed its own handler for its signal (rank-0-only checkpoint, then exit).
         # One component owns the stop signals: hpc_train's worker installs the job's; any other
@@ -56,7 +62,7 @@ class SlurmEntry:
             # A callable's own exception goes back to the submitting side's Job, as submitit does.
             result = run_worker(self.cfg, self.run_dir, target=self.fn, args=self.args, kwargs=self.kwargs,
                                 leaving=True)
-        if requeue.requested(Path(self.run_dir)):
+        if requested(Path(self.run_dir)):
             # Leave without a result (as submitit itself does when it requeues): the job is
             # about to be requeued by the batch shell, and the submitting side's Job must
             # see the result of the run that finishes, not of this stopped one. Without the
@@ -64,7 +70,7 @@ class SlurmEntry:
             exit_done(0)
             raise SystemExit(0)
         # submitit now pickles the result and exits normally: the group must go first (see
-        # hpc_train.distributed.shutdown; run_worker left it for a fast exit).
+        # hpc_train.node.group.shutdown; run_worker left it for a fast exit).
         release_group()
         return result
 
@@ -88,7 +94,7 @@ def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False):
         additional_parameters={"requeue": True, "open-mode": "append", "signal": f"{job.signal}@{job.signal_lead}"},
         # One dead task ends the step (so the others do not wait on it for a collective timeout).
         srun_args=["--kill-on-bad-exit=1"],
-        # After srun: the one requeue, from the batch shell (see hpc_train.requeue).
+        # After srun: the one requeue, from the batch shell (see hpc_train.login.requeue).
         teardown=["status=$?", f"RUN_DIR={shlex.quote(str(run_dir))}",
                   *requeue.after_srun_lines(shlex.quote(sys.executable)), 'exit "$status"'],
     )
@@ -144,9 +150,9 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
         _refuse_active_job(rd)
     cfg.run_dir = str(rd)
     scheduler.check_resources(cfg.job)
-    from hpc_train import resume as resume_mod
+    from hpc_train.ckpt import store as resume_mod
     if resume != "none":
-        from hpc_train.config import check_resume_changes
+        from hpc_train.ckpt.compat import check_resume_changes
         check_resume_changes(rd, cfg, lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr))
     plan = resume_mod.plan(rd, resume, cfg if fn is None and not cfg.train.script and not cfg.train.fn else None)
     if plan.finished:
@@ -171,37 +177,3 @@ def _refuse_active_job(rd: Path) -> None:
     if st is not None and not st.final:
         raise UsageError(f"{rd} belongs to job {ids[-1]}, which is {st.state}; wait for it, cancel it "
                          f"(python -m hpc_train cancel {rd}), or use another --run-dir")
-
-
-def cmd_submit(args: argparse.Namespace) -> int:
-    from hpc_train.cli import _load, check_plugins_light
-    if args.resubmit_failed:
-        if args.sweep or args.config or args.script or args.fn or args.overrides:
-            raise UsageError("--resubmit-failed SWEEP_DIR takes no config, --set or --sweep: each task runs "
-                             "again with the config in its run directory")
-        from hpc_train import sweep
-        return sweep.resubmit_failed(args)
-    cfg = _load(args)
-    check_plugins_light(cfg)
-    rd = cfg.resolved_run_dir().absolute()
-    cfg.run_dir = str(rd)
-    if args.sweep:
-        from hpc_train import sweep
-        return sweep.submit(args, cfg, rd)
-    if args.dry_run:
-        from hpc_train.rundir import check_path
-        check_path(rd, "the run directory")
-        scheduler.time_minutes(cfg.job.time)
-        print(dry_run_text(make_executor(cfg, rd, dry_run=True)), end="")
-        return 0
-    job = submit(cfg, run_dir=rd, resume=args.resume)
-    print(f"submitted job {job.job_id}\n  run directory: {rd}\n  logs: {rd / 'logs'}/rank-*.log "
-          f"(submitit's: {rd / 'submitit'})\n  follow: python -m hpc_train logs {rd} -f")
-    if not args.wait:
-        return 0
-    states = scheduler.wait([str(job.job_id)], on_change=lambda s: print(
-        f"  job {job.job_id}: {s.get(str(job.job_id)).state if str(job.job_id) in s else 'UNKNOWN'}",
-        file=sys.stderr))
-    final = states[str(job.job_id)].state
-    print(f"job {job.job_id} ended: {final}")
-    return 0 if final == "COMPLETED" else 1

@@ -1,10 +1,10 @@
 """Sharded, atomic, asynchronous checkpoints on ``torch.distributed.checkpoint`` (DCP).
 
-The checkpointer sees a mapping of state objects and nothing else (see :mod:`hpc_train.state`
+The checkpointer sees a mapping of state objects and nothing else (see :mod:`hpc_train.ckpt.state`
 for what goes where). A ``step-N/`` directory holds DCP's shards and ``.metadata`` (modules and
 optimizers, reshardable to another world size), ``app.pt`` (rank 0's copy of schedulers and
 plain values), one ``rank-R.pt`` per rank (RNG states, loader positions) and, written last by
-rank 0 once every rank's share is on disk, ``commit.json`` (see :mod:`hpc_train.resume` for
+rank 0 once every rank's share is on disk, ``commit.json`` (see :mod:`hpc_train.ckpt.store` for
 what makes a checkpoint complete).
 
 Hazards:
@@ -40,19 +40,15 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch import nn
 
-from hpc_train import resume
-from hpc_train import state as state_mod
+from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import state as state_mod
 from hpc_train.config import CheckpointSection
-from hpc_train.errors import UsageError
-from hpc_train.state import is_plain, rng_state, set_rng_state
+from hpc_train.errors import CheckpointError, UsageError
+from hpc_train.ckpt.state import is_plain, rng_state, set_rng_state
 
 log = logging.getLogger("hpc_train")
 # DCP says so on every single-process save/load; that is the intent here, so it is noise.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names it and says why."""
 
 
 # -- safe loading --------------------------------------------------------------------------
@@ -189,7 +185,7 @@ def _save_error(e: BaseException, step: int, run_dir: Path) -> BaseException:
 
 class Checkpointer:
     """Saves a mapping of state objects on schedule and on request; one save in flight; rank 0
-    commits and prunes. Knows nothing of what trains: see :mod:`hpc_train.state`."""
+    commits and prunes. Knows nothing of what trains: see :mod:`hpc_train.ckpt.state`."""
 
     def __init__(self, cfg: CheckpointSection, run_dir: Path, rank: int, world_size: int,
                  record: dict[str, Any] | None = None, timeout_s: float = 600.0) -> None:
@@ -477,7 +473,7 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
         set_rng_state(mine["rng"])
     else:
         # Another world size: per-rank RNG streams do not carry over; loaders continue after the
-        # same number of samples where they know how (hpc_train.data.ShardedLoader), else restart.
+        # same number of samples where they know how (hpc_train.node.loader.ShardedLoader), else restart.
         first = _safe_torch_load(_rank_file(path, 0))
         for k, kind in kinds.items():
             if kind != "per_rank":

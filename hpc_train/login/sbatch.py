@@ -16,8 +16,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_train import __version__, requeue, scheduler
+from hpc_train.login import hook as requeue
+from hpc_train.login import scheduler
 from hpc_train.config import Config
+
+def _version() -> str:
+    # From the installed metadata, not `hpc_train.__version__`: the package's root imports the
+    # node side (init, Run), which the login side never loads.
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("hpc_train")
+    except PackageNotFoundError:
+        return "unknown"
+
 
 TEMPLATES = Path(__file__).parent / "templates"   # slurm/templates links here
 
@@ -58,7 +69,7 @@ class SbatchScript:
         # torchrun forwards SIGTERM to its workers but dies of USR1/USR2; it gets TERM.
         signal = "TERM" if self.launcher == "torchrun" else job.signal
         values = {
-            "version": __version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "version": _version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": (self.command or "(Python API)").replace("\n", "\\n").replace("\r", "\\r"), "job_name": q(job.name), "nodes": str(job.nodes),
             "tasks_per_node": str(tasks), "cpus_per_task": str(job.cpus_per_task),
             "cpus_per_node": str(job.cpus_per_task * tasks), "nproc_per_node": str(tasks),
@@ -75,7 +86,7 @@ class SbatchScript:
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
-    from hpc_train.cli import _load
+    from hpc_train.login.args import load as _load
     cfg = _load(args)
     scheduler.time_minutes(cfg.job.time)
     run_dir = cfg.resolved_run_dir().absolute()

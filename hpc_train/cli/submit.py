@@ -1,0 +1,44 @@
+"""``python -m hpc_train submit``: one job, a sweep's array, or a sweep's failed tasks again. Torch-free."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpc_train.errors import UsageError
+from hpc_train.login import scheduler
+from hpc_train.login.submission import dry_run_text, make_executor, submit
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from hpc_train.login.args import check_plugins_light, load as _load
+    if args.resubmit_failed:
+        if args.sweep or args.config or args.script or args.fn or args.overrides:
+            raise UsageError("--resubmit-failed SWEEP_DIR takes no config, --set or --sweep: each task runs "
+                             "again with the config in its run directory")
+        from hpc_train.login import sweep
+        return sweep.resubmit_failed(args)
+    cfg = _load(args)
+    check_plugins_light(cfg)
+    rd = cfg.resolved_run_dir().absolute()
+    cfg.run_dir = str(rd)
+    if args.sweep:
+        from hpc_train.login import sweep
+        return sweep.submit(args, cfg, rd)
+    if args.dry_run:
+        from hpc_train.rundir import check_path
+        check_path(rd, "the run directory")
+        scheduler.time_minutes(cfg.job.time)
+        print(dry_run_text(make_executor(cfg, rd, dry_run=True)), end="")
+        return 0
+    job = submit(cfg, run_dir=rd, resume=args.resume)
+    print(f"submitted job {job.job_id}\n  run directory: {rd}\n  logs: {rd / 'logs'}/rank-*.log "
+          f"(submitit's: {rd / 'submitit'})\n  follow: python -m hpc_train logs {rd} -f")
+    if not args.wait:
+        return 0
+    states = scheduler.wait([str(job.job_id)], on_change=lambda s: print(
+        f"  job {job.job_id}: {s.get(str(job.job_id)).state if str(job.job_id) in s else 'UNKNOWN'}",
+        file=sys.stderr))
+    final = states[str(job.job_id)].state
+    print(f"job {job.job_id} ended: {final}")
+    return 0 if final == "COMPLETED" else 1

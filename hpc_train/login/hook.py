@@ -1,0 +1,113 @@
+"""The batch shell's requeue hook, run after ``srun`` returns: issues exactly one
+``scontrol requeue`` for a stop that asked for it (see :mod:`hpc_train.requeue`), or a failure
+within its budget. No torch here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hpc_train.requeue import PENDING, _load, _save, budgets_of, request
+
+UNFINISHED = 3   # the job's exit code for "stopped before the end and not requeued"
+
+
+def _scontrol_requeue(target: str) -> tuple[bool, str]:
+    if shutil.which("scontrol") is None:
+        return False, "scontrol is not on PATH in the batch shell either"
+    if not target:
+        return False, "no job id (SLURM_JOB_ID is not set)"
+    try:
+        out = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return False, "scontrol did not answer in 60 s"
+    lines = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
+    return out.returncode == 0, lines[-1].strip() if lines else ""   # its last line is the cause
+
+
+def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
+         budgets: dict[str, int] | None = None) -> tuple[str, int]:
+    """The batch shell's step after srun: issue the one requeue, or say why there is none.
+
+    Returns the message and the exit code the batch script should end with: 0 for a finished
+    or requeued run, :data:`UNFINISHED` for a stop without requeue, srun's status for a failure
+    that is not requeued. A finished run counts as finished even if a late signal hit a task
+    during its exit (srun then reports the signal, but every result is on disk).
+    """
+    env = dict(os.environ if env is None else env)
+    run_dir = Path(run_dir)
+    from hpc_train import goodput
+    goodput.exited(run_dir, goodput.job_start(env))   # every task of this job has exited (srun returned)
+    pending = run_dir / PENDING
+    if (run_dir / "result.json").exists():
+        pending.unlink(missing_ok=True)
+        return "run finished; no requeue", 0
+    if pending.exists():
+        try:
+            req = json.loads(pending.read_text())
+            req["target"], req["cause"]
+        except (ValueError, TypeError, KeyError, OSError):
+            # Written atomically, so only outside hands damage it. It exists only when the run
+            # asked for a requeue within its budget: requeue this task, the only safe target.
+            req = {"target": _own_target(env), "cause": f"{PENDING} unreadable"}
+        pending.unlink(missing_ok=True)
+        ok, detail = _scontrol_requeue(req["target"])
+        if not ok:
+            return f"NOT requeued: scontrol requeue {req['target']} failed: {detail}", UNFINISHED
+        rec = _load(run_dir)
+        rec.setdefault("requeued_at", []).append(time.time())
+        _save(run_dir, rec)
+        return f"requeued {req['target']} ({req['cause']})", 0
+    final = _load(run_dir).get("final")
+    if status == 0 and final:
+        return f"NOT requeued: {final}", UNFINISHED
+    if status != 0:
+        target = _own_target(env)
+        restart = int(env.get("SLURM_RESTART_COUNT") or 0)
+        if budgets is None:
+            budgets = _budgets_from_config(run_dir)
+        msg = request(run_dir, "failure", target, restart, budgets, _last_step(run_dir))
+        if pending.exists():
+            pending.unlink()
+            ok, detail = _scontrol_requeue(target)
+            return (f"{msg}; requeued", 0) if ok else (f"{msg}; NOT requeued: {detail}", status)
+        return msg, status
+    return "no requeue requested", 0
+
+
+def _own_target(env: dict[str, str]) -> str:
+    """This job, as scontrol requeue must name it: an array task by ARRAYJOB_TASK, never the
+    whole array."""
+    array = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    return f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID", "")
+
+
+def _budgets_from_config(run_dir: Path) -> dict[str, int]:
+    from hpc_train import config
+    cfg = config.load(run_dir / "config.yaml")
+    return budgets_of(cfg.job)
+
+
+def _last_step(run_dir: Path) -> int:
+    from hpc_train.ckpt.store import newest_complete
+    info = newest_complete(run_dir)
+    return info.step if info else 0
+
+
+def cmd_requeue_hook(args: argparse.Namespace) -> int:
+    """``python -m hpc_train requeue-hook RUN_DIR STATUS`` (run by the batch script)."""
+    msg, code = hook(Path(args.run_dir), args.status)
+    print(f"hpc_train requeue-hook: {msg}", file=sys.stderr)
+    return code
+
+
+def after_srun_lines(python: str, run_dir_expr: str = '"$RUN_DIR"') -> list[str]:
+    """Shell lines for a batch script, right after srun; ``status`` must hold srun's exit code.
+    The hook's exit code becomes the job's (see :func:`hook`)."""
+    return [f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status"', "status=$?"]

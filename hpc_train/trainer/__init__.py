@@ -1,0 +1,1 @@
+"""The built-in trainer: one client of the public Run API, with its models and data."""
