@@ -21,6 +21,7 @@ run: $(STAMP)
 # Every test. Slurm tests start the project's own local cluster (slurm/devcluster.sh, root
 # needed) and stop it when done; with CI=true they must run, not skip.
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -111,7 +111,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from hpc_train.ckpt import checkpointer as checkpoint
     from hpc_train.node import group as distributed
     from hpc_train.node import environment
-    from hpc_train import run as run_mod
+    from hpc_train.run import Run
     from hpc_train.logs import setup_logging
     from hpc_train.node.stops import StopRequest
     from hpc_train.trainer.loop import Trainer
@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                              "checkpoint.async_save=true", f"run_dir={run_dir}"])
     env = environment.current()
     device = distributed.init(env, cfg.dist)
-    trainer = Trainer(cfg, run_mod.start(cfg, env, run_dir, StopRequest(), device))
+    trainer = Trainer(cfg, Run(cfg, env, run_dir, device, StopRequest()))
     trainer.fit()                                       # one real step: Adam's moments exist
     state = trainer.state                               # what the checkpointer sees: a mapping of state objects
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)

@@ -13,7 +13,7 @@ def train(cfg, env, device):
     import torch
 
     from hpc_train.node import stops as preemption
-    from hpc_train import run as run_mod
+    from hpc_train import lifecycle
     from hpc_train.trainer.loop import Trainer
 
     def collect(self, device):       # this rank's own values, no collective
@@ -23,4 +23,4 @@ def train(cfg, env, device):
 
     preemption.Agreement.attach = lambda self, ddp: None   # no comm hook: DDP's built-in all-reduce
     preemption.Agreement.collect = collect
-    return Trainer(cfg, run_mod.current()).fit()
+    return Trainer(cfg, lifecycle.current()).fit()

@@ -29,9 +29,17 @@ if TYPE_CHECKING:
 
 def init(config: Any = None, *, run_dir: Any = None, overrides: list[str] = ()) -> Run:
     """This process's :class:`hpc_train.run.Run`: environment, process group, device,
-    rank-prefixed logging and stop signals. A second call returns the same Run. See
-    :func:`hpc_train.run.init`."""
-    from hpc_train.run import init as _init
+    rank-prefixed logging and stop signals, and the run directory held for this run: a finished
+    run exits at once (0, one line), a run directory in use by another process is refused (2).
+    A second call returns the same Run.
+
+    Under ``python -m hpc_train run/submit/sbatch`` the config and run directory come from the
+    launcher. Elsewhere (torchrun, plain ``srun``, ``python train.py``): ``config`` (a Config or
+    a YAML path, else defaults plus ``overrides``) and ``run_dir`` (else the config's, else
+    ``runs/<script name>``). A process group the script already initialised is used as is.
+    ``Run.close()`` runs at exit (or use ``with hpc_train.init() as run:``); after a stop the
+    process exits with ``run.exit_code`` (non-zero). See :mod:`hpc_train.lifecycle`."""
+    from hpc_train.lifecycle import init as _init
     return _init(config, run_dir=run_dir, overrides=overrides)
 
 

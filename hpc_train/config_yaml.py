@@ -20,13 +20,15 @@ keys are refused too (YAML 1.1 let the last one win silently).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from hpc_train.errors import UsageError, show
+from hpc_train.errors import UsageError, closest, show
 
 
 class _RefusedYAML(yaml.MarkedYAMLError):
@@ -139,3 +141,86 @@ def read_file(path: str | Path) -> Any:
         raise UsageError(f"config: {name} is not valid YAML{' at ' + where if where else ''}: {what}") from None
 
 
+IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_INT_TEXT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")                 # ASCII only: int() also takes '١٢' and '1_0'
+_FLOAT_TEXT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_NONFINITE_TEXT = re.compile(r"[-+]?\.?(?:inf|infinity|nan)", re.I)    # YAML's .inf/.nan, Python's inf/nan
+_BOOL_TEXT = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
+# Ints end up in torch, numpy and Slurm as 64-bit integers; fields without a max still stop here.
+_INT_MAX = 2**63 - 1
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _printable(value: str) -> bool:
+    # Values end up on #SBATCH lines and in shell scripts, where a newline starts a command; a NUL
+    # cannot pass through argv or the environment, and a lone surrogate (an undecodable byte of a
+    # command-line argument) cannot be written as UTF-8. Tabs are harmless.
+    return not any((ord(c) < 32 and c != "\t") or c == "\x7f" or 0xD800 <= ord(c) <= 0xDFFF for c in value)
+
+
+def coerce(path: str, f: dataclasses.Field, value: Any) -> Any:
+    """Check ``value`` against the field's type and rules; return it in the field's type.
+
+    ``value`` is text from YAML or ``--set`` (see the module docstring) or an already typed
+    value (``config.from_dict``, command-line flags); both go through the same checks. The
+    field's metadata (``min``, ``max``, ``choices``, ``importable``) comes from ``config._f``.
+    """
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    m = f.metadata
+    lo, hi = m.get("min"), m.get("max")
+    given = value   # messages quote what the user wrote ('1e15'), not what it became
+    if kind == "bool":
+        if isinstance(value, str) and value.lower() in _BOOL_TEXT:
+            value = _BOOL_TEXT[value.lower()]
+        if not isinstance(value, bool):
+            raise UsageError(f"config: {path} must be true or false, got {show(given)}")
+    elif kind == "int":
+        if isinstance(value, str) and _INT_TEXT.fullmatch(value):
+            if len(value) > 30:   # int() refuses over 4300 digits; anything this long is out of range
+                raise UsageError(f"config: {path} must be <= {_num(hi if hi is not None else _INT_MAX)}, "
+                                 f"got {show(given)}")
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"config: {path} must be an integer (decimal digits, e.g. 1000), got {show(given)}")
+        hi = _INT_MAX if hi is None else hi
+    elif kind == "float":
+        if isinstance(value, str):
+            if _NONFINITE_TEXT.fullmatch(value):
+                raise UsageError(f"config: {path} must be a finite number, got {show(given)}")
+            if _FLOAT_TEXT.fullmatch(value):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UsageError(f"config: {path} must be a number (e.g. 0.5 or 1e-3), got {show(given)}")
+        try:
+            value = float(value)
+        except OverflowError:   # an int beyond float's range
+            value = math.inf
+        if not math.isfinite(value):
+            raise UsageError(f"config: {path} must be a finite number, got {show(given)}")
+    elif kind == "str":
+        if value is None:
+            raise UsageError(f"config: {path} must be a string, got an empty value (null); write '' for an "
+                             f"empty string")
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise UsageError(f"config: {path} must be a string, got {show(given)}")
+        value = str(value)
+        if not _printable(value):
+            raise UsageError(f"config: {path} must be a single line of printable text, got {show(given)}")
+    elif kind == "list":
+        if not isinstance(value, list) or not all(isinstance(v, str) and _printable(v) for v in value):
+            raise UsageError(f"config: {path} must be a list of single-line strings, got {show(given)}")
+    if lo is not None and value < lo or hi is not None and value > hi:
+        valid = f">= {_num(lo)} and <= {_num(hi)}" if lo is not None and m.get("max") is not None else (
+            f">= {_num(lo)}" if lo is not None and value < lo else f"<= {_num(hi)}")
+        raise UsageError(f"config: {path} must be {valid}, got {show(given)}")
+    if m.get("choices") and value not in m["choices"]:
+        if not (m.get("importable") and IMPORT_RE.match(value)):
+            extra = " or an import path 'package.module:function'" if m.get("importable") else ""
+            raise UsageError(f"config: {path} must be one of {', '.join(m['choices'])}{extra}; "
+                             f"got {show(given)}{closest(value[:200], m['choices'])}")
+    if m.get("importable") and not m.get("choices") and value and not IMPORT_RE.match(value):
+        raise UsageError(f"config: {path} must be an import path 'package.module:function', got {show(given)}")
+    return value

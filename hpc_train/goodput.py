@@ -53,8 +53,7 @@ def pause_gc() -> None:
     processes hpc_train started (its worker), never in a user's own interpreter. Importing torch
     and ``torch._dynamo`` (DDP and every optimizer import it) creates about half a million
     long-lived objects, and the collector rescans the growing heap again and again while they
-    pile up: importing torch, torch._dynamo and DCP took 2.6-3.1 s with it and 1.8-2.4 s without
-    (3 runs each, this machine)."""
+    pile up (benchmarks/preemption.py shows the start-up phases)."""
     global _gc_paused
     if gc.isenabled():
         gc.disable()
@@ -65,9 +64,8 @@ def resume_gc() -> None:
     """Start-up is over (the checkpoint is restored, or the user's code is about to run): what
     start-up made is frozen (``gc.freeze``: kept out of every later collection, so it is never
     rescanned), then the collector runs as usual. A full collection instead would scan it all
-    once more: 0.36-0.40 s per rank (478 k objects, 105 MB MLP resumed). The cost is that
-    start-up's own garbage cycles are never freed: 8.7 k small objects measured (functions,
-    tuples, types; no tensor data). A no-op unless :func:`pause_gc` turned the collector off."""
+    once more, hundreds of thousands of objects per rank. The cost is that start-up's own
+    garbage cycles are never freed: small objects (functions, tuples, types; no tensor data). A no-op unless :func:`pause_gc` turned the collector off."""
     global _gc_paused
     if _gc_paused:
         _gc_paused = False
@@ -214,6 +212,18 @@ def exited(run_dir: Path, since: float) -> None:
             write_atomic(Path(run_dir) / FILE, json.dumps(rec, indent=1))
     except (OSError, ValueError, TypeError):
         pass
+
+
+def record_segment(run_dir: Path, since: float) -> None:
+    """A process that ran no Run (a supervised script that never called ``init()``): record its
+    segment, start to now, unless the script's own ledger wrote one after ``since``. Never raises."""
+    try:
+        rec = _read(Path(run_dir))
+        if rec["segments"] and float(rec["segments"][-1].get("start", 0)) >= since - 1.0:
+            return
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    Ledger(Path(run_dir)).close()
 
 
 def job_start(env: dict[str, str]) -> float:

@@ -30,7 +30,6 @@ import logging
 import contextlib
 import math
 import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,24 +39,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpc_train import config as config_mod
 from hpc_train import rundir
-from hpc_train.node import environment
 from hpc_train.ckpt import state as state_mod
 from hpc_train.config import Config
+from hpc_train.errors import UsageError
 from hpc_train.node.environment import NodeEnv
-from hpc_train.node.stops import Agreement, StopRequest, record_stop, stop_signals
+from hpc_train.node.session import Session
+from hpc_train.node.stops import Agreement, StopRequest, record_stop
 
 from hpc_train.errors import NonFiniteError
 
 log = logging.getLogger("hpc_train")
-_current: Run | None = None
+# A stopped run's exit code outside hpc_train's launchers (theirs decide by themselves): the batch
+# script's code for "stopped before the end" (hpc_train.login.hook.UNFINISHED).
+STOPPED_EXIT_CODE = 3
 
 
 class Run:
     """One process's handle on the job. Build it with :func:`hpc_train.init`."""
 
-    def __init__(self, cfg: Config, env: NodeEnv, run_dir: Path, device: torch.device, stop: StopRequest) -> None:
+    def __init__(self, cfg: Config, env: NodeEnv, run_dir: Path, device: torch.device, stop: StopRequest,
+                 session: Session | None = None, owns_group: bool = False) -> None:
         self.config: Config = cfg
         self.env: NodeEnv = env
         self.run_dir: Path = Path(run_dir)
@@ -83,7 +85,13 @@ class Run:
         self.stopped = False
         self.finished = False
         self.stop_step: int | None = None
+        self._result: dict[str, Any] = {}
+        self._prev_step: int | None = None   # the step the last step_end saw
         self._ledger_obj = None   # rank 0's goodput ledger (see hpc_train.goodput), built at first use
+        self._session = session   # the run directory's side of the lifecycle (hpc_train.node.session)
+        self._owns_group = owns_group   # this Run's lifecycle set up the process group: close() ends it
+        self._leave_group = False   # the process ends through os._exit: close() leaves the group to it
+        self._closed = False
 
     # -- what the loop asks ----------------------------------------------------------------
     @property
@@ -170,119 +178,42 @@ class Run:
 
     def restore(self, state: dict[str, Any]) -> int:
         """Load the checkpoint chosen for this run into ``state`` in place (plain values are
-        replaced in the dict); returns the restored step, 0 on a fresh run.
-
-        Rank 0 chooses (sizes and checksums: it reads the candidate whole) and the other ranks
-        take its choice, checking only that the directory is complete by sizes: every rank
-        re-reading every file would multiply the I/O by the world size. If the chosen checkpoint
-        fails to load on any rank, every rank moves on together to the next older one that
-        rank 0 verifies, until one loads or none is left."""
+        replaced in the dict); returns the restored step, 0 on a fresh run. Every rank takes
+        rank 0's choice, and falls back to an older checkpoint together if any rank cannot
+        load it (see :func:`hpc_train.ckpt.restore.restore`)."""
         from hpc_train import goodput
-        from hpc_train.ckpt import checkpointer as checkpoint
-        from hpc_train.ckpt import store as resume
+        from hpc_train.ckpt import restore as restore_mod
+        from hpc_train.ckpt import store
         kinds = self._kinds(state)
         self.stop.listening = True   # code that restores will call step_end: a stop waits for it
         t_load = time.time()
         goodput.mark("restore")
-        spec = os.environ.get("HPC_TRAIN_RESUME", "latest")
-        source: resume.CkptInfo | None = None
-        plan_error: Exception | None = None
-        if self.is_main:
-            try:
-                source = resume.plan(self.run_dir, "latest" if spec == "none" else spec, None, warn=log.warning).source
-            except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
-                plan_error = e
-        source = self._agree_on(source, plan_error)
-        record: dict[str, Any] = {}
-        while source is not None:
-            error: BaseException | None = None
-            try:
-                record = checkpoint.load(state, source.path, self.rank, self.world_size, kinds)
-            except Exception as e:  # noqa: BLE001 - handled below, on every rank together
-                error = e
-            if self._multi:
-                # A rank that fails alone would sit in its next collective while the others wait
-                # in theirs: a hang until dist.timeout_s. Fail (and fall back) together.
-                failed = torch.tensor([float(error is not None)], device=self.device)
-                dist.all_reduce(failed)
-                if error is None and failed.item() > 0:
-                    error = checkpoint.CheckpointError(f"another rank could not load {source.path}; "
-                                                       f"see {self.run_dir / 'logs'}")
-            if error is None:
-                break
-            older = None
-            if self.is_main:
-                log.warning("skipping checkpoint %s: it does not load: %s", source.path,
-                            str(error).splitlines()[0] if str(error) else type(error).__name__)
-                older = resume.older_candidate(source, warn=log.warning)
-            older = self._agree_on(older)
-            if older is None:
-                # State may be partly overwritten by the failed load: never train on from it.
-                raise error
-            source = older
-        if source is not None:
-            saved = record.get("world_size")
-            log.info("resumed from %s: step %d, saved at world size %s%s", source.path, state["step"], saved,
-                     "" if saved == self.world_size else
-                     f" (saved at world size {saved}, now {self.world_size}: resharded)")
+        source = restore_mod.restore(state, self.run_dir, rank=self.rank, world_size=self.world_size,
+                                     device=self.device, multi=self._multi, kinds=kinds,
+                                     spec=os.environ.get(rundir.RESUME_ENV, "latest"))
         self._start_step = state["step"] if source is not None else 0
         goodput.resume_gc()   # start-up ends here (a worker turned the collector off for it)
         ledger = self._ledger()
         if ledger is not None:
             ledger.restored(self._start_step, time.time() - t_load if source is not None else 0.0)
-        own = source is not None and source.path.parent.resolve() == resume.ckpt_root(self.run_dir).resolve()
+        own = source is not None and source.path.parent.resolve() == store.ckpt_root(self.run_dir).resolve()
         self._resumed_from = source.step if own else -1
         if self._ckpt is not None:
             self._ckpt.last_step = self._start_step
             self._ckpt.resumed_from = self._resumed_from
         return self._start_step
 
-    _PATH_BYTES = 4096   # a checkpoint path, broadcast as a fixed-size byte tensor (any backend)
-
-    def _agree_on(self, chosen, error: Exception | None = None):
-        """Every rank takes rank 0's ``chosen`` (a CkptInfo or None). The others check only that
-        the directory is complete by sizes, failing together if any rank cannot see it. ``error``:
-        rank 0 could not choose; raised there, and every other rank stops too (rather than wait
-        in the next collective)."""
-        from hpc_train.ckpt import checkpointer as checkpoint
-        from hpc_train.ckpt import store as resume
-        if not self._multi:
-            if error is not None:
-                raise error
-            return chosen
-        failed = torch.tensor([float(error is not None)], device=self.device)
-        dist.all_reduce(failed)
-        if failed.item() > 0:
-            if error is not None:
-                raise error
-            raise checkpoint.CheckpointError(f"rank 0 could not choose a checkpoint to resume; see {self.run_dir / 'logs'}")
-        buf = torch.zeros(self._PATH_BYTES, dtype=torch.uint8, device=self.device)
-        if self.is_main and chosen is not None:
-            raw = str(chosen.path).encode()
-            if len(raw) >= self._PATH_BYTES:
-                raise checkpoint.CheckpointError(f"checkpoint path longer than {self._PATH_BYTES} bytes: {chosen.path}")
-            buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        dist.broadcast(buf, 0)
-        raw = bytes(buf.cpu().tolist()).rstrip(b"\0")
-        info, problem = chosen, None
-        if not self.is_main and raw:
-            info = resume.inspect(Path(raw.decode()))
-            problem = None if info.complete else info.problem
-        bad = torch.tensor([float(problem is not None)], device=self.device)
-        dist.all_reduce(bad)
-        if bad.item() > 0:
-            raise checkpoint.CheckpointError(
-                f"rank 0 chose {raw.decode()} but " + (f"rank {self.rank} finds it incomplete ({problem})"
-                                                       if problem else "another rank finds it incomplete") +
-                f"; is {self.run_dir} on a filesystem every node sees?")
-        return info if raw else None
+    @property
+    def checkpoint_stats(self) -> list[dict[str, Any]]:
+        """One record per checkpoint saved by this process (time, bytes, blocking): for reports."""
+        return list(self._ckpt.stats) if self._ckpt is not None else []
 
     def _flags(self) -> list[float]:
         timed = self._ckpt is not None and self._ckpt.due_by_time()
         return [float(self.stop.requested), float(timed)]
 
     @torch.no_grad()
-    def _sync_buffers(self) -> None:
+    def sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics) before a save or an eval.
 
         DDP broadcasts rank 0's buffers at the start of every training forward, so rank 0's are
@@ -298,12 +229,19 @@ class Run:
         stop and on a timed save; saves when due. Returns True on a stop, once the checkpoint
         is committed and, under Slurm, the requeue requested: leave the loop."""
         kinds = self._kinds(state)
+        step = state["step"]
+        prev = self._start_step if self._prev_step is None else self._prev_step
+        if step < 0 or step < prev:
+            # A checkpoint is named by its step: one below 0 would be invisible to resume, list,
+            # verify and pruning, and one below an earlier step would shadow newer work.
+            raise UsageError(f"run.step_end: state['step'] is {step}, "
+                             + ("below 0" if step < 0 else f"below the previous step {prev}")
+                             + "; it counts the optimizer steps done and only goes up (state['step'] += 1 per step)")
         self.stop.listening = True
         sums = self._agreement.collect(self.device)
         stop, timed = bool(sums[0] > 0), bool(sums[1] > 0)
         self.step_sums = sums[2:].tolist()
-        self._last_state = state
-        step = state["step"]
+        self._last_state, self._prev_step = state, step
         if not all(math.isfinite(v) for v in self.step_sums):
             # Every rank sees the same sums, so every rank raises here, before any save.
             self._diverged(step, f"the values summed with the step are {self.step_sums} (the loss first)")
@@ -316,7 +254,7 @@ class Run:
                 ckpt.poll()
             if ckpt.due(step, force=stop, timed=timed):
                 t0 = time.perf_counter()
-                self._sync_buffers()
+                self.sync_buffers()
                 self._check_weights(state, kinds, step)
                 ckpt.save(state, step, blocking=stop, kinds=kinds)
                 if ledger is not None:
@@ -343,22 +281,11 @@ class Run:
         last = self._ckpt.last_step if self._ckpt is not None and self._ckpt.last_step >= 0 else None
         raise NonFiniteError(
             f"training diverged at step {step}: {what}, not finite on some rank; nothing was saved for this step"
-            + (f" (the newest checkpoint is step {last})" if last is not None else "")
-            + f". Lower optim.lr (now {self.config.optim.lr:g}), set optim.grad_clip, or check the data")
+            + (f" (the newest checkpoint is step {last})" if last is not None else ""))
 
-    @torch.no_grad()
     def _check_weights(self, state: Mapping[str, Any], kinds: dict[str, str], step: int) -> None:
-        """Before a save: no NaN/inf weight is ever committed. One host sync per save (saves are
-        rare), agreed over ranks so that sharded models decide together."""
-        params = [p for k, kind in kinds.items() if kind == "module" for p in state[k].parameters()]
-        if not params:
-            return
-        # FSDP parameters are DTensors: check this rank's shard (the agreement below covers the rest).
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-        bad = torch.stack([p.detach().isfinite().all() for p in local]).all().logical_not().float().reshape(1)
-        if self._multi:
-            dist.all_reduce(bad)
-        if bad.item() > 0:
+        from hpc_train.node.guard import weights_finite
+        if not weights_finite(state, kinds, self._multi):
             self._diverged(step, "a weight about to be saved is NaN or infinite")
 
     def _on_stop(self, step: int) -> None:
@@ -406,17 +333,56 @@ class Run:
                     v.close()
             self._last_state = None
 
+    def close(self, failed: bool = False) -> None:
+        """The one teardown, on every path: wait for saves, close the reporters and loaders,
+        release the run directory (lock, heartbeat; a finished run keeps no stale stop record)
+        and the process group this Run's start-up made. Idempotent. ``failed``: the code raised,
+        so peers may sit in a collective of it: no shutdown barrier. ``with hpc_train.init() as
+        run:`` calls it; so does the exit of any process that called ``init()``."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._close()
+        except BaseException:   # noqa: BLE001 - after a failure, a pending save's error must not hide it
+            if not failed:
+                raise
+        finally:
+            try:
+                if self._session is not None:
+                    self._session.close(finished=self.finished)
+            finally:
+                if self._owns_group:
+                    from hpc_train.node import group
+                    group.shutdown(not failed, destroy=not self._leave_group)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close(failed=exc_type is not None and not issubclass(exc_type, SystemExit))
+
+    @property
+    def exit_code(self) -> int:
+        """What the process should exit with: 0 once finished, :data:`STOPPED_EXIT_CODE` after a
+        stop (so a shell, torchrun and Slurm see that the run did not finish), else 1."""
+        return 0 if self.finished else STOPPED_EXIT_CODE if self.stopped else 1
+
     def finish(self, result: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The run is done: save a final checkpoint of the last state given to ``step_end`` (if
         that step is not saved yet), write ``result.json`` (rank 0), and return the result. Never
-        marks a stopped run finished."""
+        marks a stopped run finished; a second call changes nothing and says so."""
         out = dict(result or {})
+        if self.finished:
+            log.warning("finish() called again: the run finished already and %s is written once; ignored",
+                        rundir.RESULT)
+            return dict(self._result)
         if self.stopped:
             log.warning("finish() after a stop: the run is not finished; it resumes when run again")
             return out
         ckpt = self._checkpointer()
         if ckpt is not None and self._last_state is not None and ckpt.due(self._last_state["step"], force=True):
-            self._sync_buffers()
+            self.sync_buffers()
             ckpt.save(self._last_state, self._last_state["step"], blocking=True, kinds=self._kinds(self._last_state))
         if self._last_state is not None:
             out.setdefault("steps", self._last_state["step"])
@@ -424,70 +390,8 @@ class Run:
         self._close()
         if self.is_main:
             rundir.write_json(self.run_dir / rundir.RESULT, out)
-            (self.run_dir / rundir.STOPPED).unlink(missing_ok=True)
             if self.config.log.tensorboard and (self.run_dir / "tb").is_dir():
                 log.info("TensorBoard logs: tensorboard --logdir %s", self.run_dir / "tb")
-        self.finished = True
+        self.finished, self._result = True, out
         self.stop.ignore_further()
         return out
-
-
-def current() -> Run | None:
-    """The process's Run, if one was built."""
-    return _current
-
-
-def start(cfg: Config, env: NodeEnv, run_dir: Path, stop: StopRequest, device: torch.device) -> Run:
-    """Make a Run the process's own (the worker does this before the user's code runs)."""
-    global _current
-    _current = Run(cfg, env, run_dir, device, stop)
-    return _current
-
-
-def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.PathLike | None = None,
-         overrides: list[str] = ()) -> Run:
-    """The process's Run: environment, process group, device, rank-prefixed logging, stop
-    signals. A second call returns the same Run.
-
-    Under ``python -m hpc_train run/submit/sbatch`` the config and run directory come from the
-    launcher. Elsewhere (torchrun, plain ``srun``, ``python train.py``): ``config`` (a Config or
-    a YAML path, else defaults plus ``overrides``) and ``run_dir`` (else the config's, else
-    ``runs/<script name>``). A process group the script already initialised is used as is.
-    """
-    global _current
-    if _current is not None:
-        return _current
-    from hpc_train.node import group as distributed
-    from hpc_train.logs import setup_logging
-    env_cfg = os.environ.get(rundir.CONFIG_ENV)
-    if isinstance(config, Config):
-        cfg = config
-    else:
-        cfg = config_mod.load(str(config) if config else env_cfg, list(overrides))
-    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else ""
-    rd = Path(run_dir or os.environ.get(rundir.RUN_DIR_ENV) or cfg.run_dir or f"runs/{script or 'hpc_train'}")
-    env = environment.current()
-    setup_logging(env.rank, rd, cfg.log.level)
-    stop = StopRequest()
-    stop.install(stop_signals(cfg.job.signal), escalate=True)
-    if dist.is_initialized():
-        # The script set up its own group (its own init_process_group): use it as it is.
-        backend = dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
-    else:
-        device = distributed.init(env, cfg.dist)
-        import atexit
-        atexit.register(_teardown)
-    return start(cfg, env, rd, stop, device)
-
-
-def _teardown() -> None:
-    """At exit of a process whose group ``init()`` created: let saves finish, then destroy the
-    group (after a collection, so no DDP reducer outlives it: see hpc_train.node.group)."""
-    import gc
-    run = _current
-    if run is not None:
-        run._close()
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -20,6 +20,10 @@ LOGS = "logs"
 # What a launcher tells the processes it starts (a script's `hpc_train.init()` reads them).
 CONFIG_ENV = "HPC_TRAIN_CONFIG"
 RUN_DIR_ENV = "HPC_TRAIN_RUN_DIR"
+RESUME_ENV = "HPC_TRAIN_RESUME"          # latest (default), none, or a checkpoint path
+LAUNCHER_ENV = "HPC_TRAIN_LAUNCHER"      # "local": started by `run`, which holds the lock
+LAUNCHED_AT_ENV = "HPC_TRAIN_LAUNCHED_AT"   # the local launcher's start (goodput's first submit)
+LOCK_HELD_ENV = "HPC_TRAIN_LOCK_HELD"    # the pid of this job's process that holds the lock
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

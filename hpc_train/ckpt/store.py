@@ -224,10 +224,13 @@ class ResumePlan:
         return str(self.source.path) if self.source else "latest"
 
 
-def plan(run_dir: Path, mode: str, cfg: Any = None, warn=None, verify: bool = True) -> ResumePlan:
+def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn=None,
+         verify: bool = True) -> ResumePlan:
     """Decide what to resume from. Raises :class:`UsageError` before anything is changed.
     ``verify``: also check the checksums of what is chosen (reads it whole), passing over
-    damaged ones to the next older."""
+    damaged ones to the next older. ``signature``: the model signature the code that will load
+    it records (the built-in trainer's: :mod:`hpc_train.trainer.signature`), checked before
+    loading."""
     run_dir = Path(run_dir)
     if is_finished(run_dir) and mode != "none":
         return ResumePlan(None, finished=True)
@@ -255,8 +258,7 @@ def plan(run_dir: Path, mode: str, cfg: Any = None, warn=None, verify: bool = Tr
             path = found.path
         own = newest_complete(run_dir, warn, verify)
         if own is not None:          # a requeued run continues from its own newest save
-            if cfg is not None:
-                check_compatible(own, cfg)
+            check_compatible(own, signature)
             return ResumePlan(own)
         info = inspect(path)
         if not info.complete:
@@ -264,8 +266,7 @@ def plan(run_dir: Path, mode: str, cfg: Any = None, warn=None, verify: bool = Tr
         problem = verify_checksums(info) if verify else None
         if problem is not None:
             raise UsageError(f"--resume {mode}: checkpoint is damaged: {problem}")
-        if cfg is not None:
-            check_compatible(info, cfg)
+        check_compatible(info, signature)
         return ResumePlan(info)
     # Warnings are collected, not printed: when none is usable, the error below names them all.
     skipped: list[str] = []
@@ -279,22 +280,17 @@ def plan(run_dir: Path, mode: str, cfg: Any = None, warn=None, verify: bool = Tr
         raise UsageError(f"{ckpt_root(run_dir)} holds checkpoints but none is complete and intact ({listing}); refusing to "
                          f"restart from scratch over them. Use --resume none to move them aside and start over, "
                          f"or --resume PATH")
-    if found is not None and cfg is not None:
-        check_compatible(found, cfg)
+    if found is not None:
+        check_compatible(found, signature)
     return ResumePlan(found)
 
 
-def check_compatible(info: CkptInfo, cfg: Any) -> None:
-    """Refuse, before loading, a checkpoint whose model config differs (shapes would not fit)."""
+def check_compatible(info: CkptInfo, signature: dict[str, Any] | None) -> None:
+    """Refuse, before loading, a checkpoint whose model signature differs (shapes would not fit)."""
     saved = info.record.get("model")
-    if saved is not None and saved != model_signature(cfg):
+    if signature is not None and saved is not None and saved != signature:
         raise UsageError(f"checkpoint {info.path} was saved with model config {saved}, but this config has "
-                         f"{model_signature(cfg)}; the weights would not fit. Use the original config, or a new "
-                         f"--run-dir")
-
-
-def model_signature(cfg: Any) -> dict[str, Any]:
-    return {"name": cfg.model.name, "hidden": cfg.model.hidden}
+                         f"{signature}; the weights would not fit. Use the original config, or a new --run-dir")
 
 
 def write_commit(path: Path, record: dict[str, Any], checksums: bool = True) -> None:

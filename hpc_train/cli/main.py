@@ -201,10 +201,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.resume != "none":
             compat.check_resume_changes(run_dir, cfg, warn)
         # Refuses bad resumes before anything is written; names any checkpoint it skips.
-        plan = resume.plan(run_dir, args.resume, cfg, warn=warn)
+        from hpc_train.trainer.signature import expected
+        plan = resume.plan(run_dir, args.resume, expected(cfg), warn=warn)
         if plan.finished:
-            print(f"hpc_train: {run_dir} holds a finished run ({run_dir / 'result.json'}); nothing to do. "
-                  f"Use another --run-dir to train again.", file=sys.stderr)
+            from hpc_train.node.session import finished_line, finished_result
+            print(finished_line(run_dir, finished_result(run_dir) or {}, "`--resume none`"), file=sys.stderr)
             return 0
         if lock.fd is None:
             lock.acquire()

@@ -10,7 +10,6 @@ needs neither torch nor a process group of its own.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -21,10 +20,10 @@ from typing import Any
 
 from hpc_train import config as config_mod
 from hpc_train import rundir
-from hpc_train.node import environment
+from hpc_train import goodput
+from hpc_train.node import environment, session
 from hpc_train.config import Config
 from hpc_train.errors import RunFailure, ScriptFailed, UsageError, says_peer_lost
-from hpc_train.logs import setup_logging
 
 log = logging.getLogger("hpc_train")
 
@@ -40,35 +39,22 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     if isinstance(cfg, dict):
         cfg = config_mod.from_dict(cfg)
     rd = Path(run_dir) if run_dir else cfg.resolved_run_dir()
-    from hpc_train import goodput
-    goodput.mark("worker")
-    from hpc_train.node.stops import StopRequest, stop_signals
-    # Stop signals first: one that arrives during start-up is then recorded, not fatal.
-    stop = StopRequest()
-    stop.install(stop_signals(cfg.job.signal), escalate=not (cfg.train.script and target is None))
-    env = environment.current()
-    setup_logging(env.rank, rd, cfg.log.level)
-    # torchrun's variables on every launch path (a torchrun-style script or fn reads them).
-    os.environ.update(environment.torchrun_vars(env))
-    os.environ[rundir.RUN_DIR_ENV] = str(rd.absolute())
-    os.environ[rundir.CONFIG_ENV] = str((rd / rundir.CONFIG).absolute())
-    _quiet_thread_os_errors()
-    from hpc_train.node import watchdog
-    watchdog.enable_stack_dumps(rundir.rank_log(rd, env.rank))
-    heartbeat = watchdog.Heartbeat(rd, env.rank).start()
-    lock = None
+    script = bool(cfg.train.script and target is None)
+    s = session.begin(cfg, rd, own_process=True, escalate=not script)
+    env = s.env
     try:
-        if env.rank == 0 and os.environ.get("HPC_TRAIN_LAUNCHER") != "local":
-            # The local launcher holds the run directory's lock itself; a job's rank 0 holds it here.
-            lock = rundir.RunDirLock(rd, f"Slurm job {env.job_id}" if env.job_id else "a training run").acquire()
-            step = os.environ.get("SLURM_STEP_ID")
-            if env.job_id and step is not None and env.world_size > 1:
-                watchdog.watch_slurm_job(rd, env.world_size, cfg.dist.timeout_s, f"{env.job_id}.{step}")
-        if cfg.train.script and target is None:
+        session.claim(s, lock=env.rank == 0 and not session.launcher_holds_lock())
+        if s.finished is not None:
+            # A finished run never trains again, whether requeued or resubmitted.
+            log.info("%s holds a finished run (%s); not training again", rd, rundir.RESULT)
+            return s.finished
+        if script:
             from hpc_train.launch.supervise import supervise
-            return supervise(cfg, env, rd, stop)
+            out = supervise(cfg, env, rd, s.stop)
+            s.close(finished=not out.get("stopped"), record_goodput=True)
+            return out
         goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code
-        return _run(cfg, env, rd, stop, target, args, kwargs or {}, leaving)
+        return _run(s, target, args, kwargs or {}, leaving)
     except BaseException as e:
         if isinstance(e, ScriptFailed):    # its error file is written, naming rank and host
             raise
@@ -76,7 +62,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
         # A one-file summary the launcher shows when this rank dies (like torchelastic's error file):
         # the line, then the traceback for a bug report.
         try:
-            (rd / "logs").mkdir(parents=True, exist_ok=True)
+            (rd / rundir.LOGS).mkdir(parents=True, exist_ok=True)
             rundir.rank_error(rd, env.rank).write_text(f"{line or f'{type(e).__name__}: {e}'}\n\n"
                                                        f"{traceback.format_exc()}")
         except OSError:
@@ -87,25 +73,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
             log.error("rank %d failed:\n%s", env.rank, traceback.format_exc())
         raise
     finally:
-        heartbeat.stop()
-        if lock is not None:
-            lock.release()
-
-
-def _quiet_thread_os_errors() -> None:
-    """DCP's writer threads die of a full disk with a traceback each; the save's own error
-    (raised in the training thread) already says it in one line. Worker processes are
-    hpc_train's own, so the hook is ours to set; anything but an OSError keeps its traceback."""
-    import threading
-    default = threading.excepthook
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        name = getattr(args.thread, "name", "") or ""
-        if isinstance(args.exc_value, OSError) or "_write_files_from_queue" in name:   # DCP's writers
-            log.debug("thread %s: %s", name, args.exc_value)
-            return
-        default(args)
-    threading.excepthook = hook
+        s.close()   # a no-op where the Run or the script's end closed it already
 
 
 def _one_line(e: BaseException) -> str | None:
@@ -140,24 +108,19 @@ def _call_fn(fn: Callable[..., Any], cfg: Config, env: environment.NodeEnv, devi
     return fn() if not required else fn(cfg, env, device)
 
 
-def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, args: tuple, kwargs: dict,
-         leaving: bool) -> Any:
-    from hpc_train.node import group as distributed   # imports torch: only on the training path
-    from hpc_train import goodput
-    from hpc_train.ckpt import store as resume_mod
-    from hpc_train import run as run_mod
+def _run(s: session.Session, target, args: tuple, kwargs: dict, leaving: bool) -> Any:
+    from hpc_train import lifecycle
+    from hpc_train.node import group   # imports torch: only on the training path
     from hpc_train.node import watchdog
     from hpc_train.node.stops import StopRun, record_stop
 
-    if resume_mod.is_finished(rd):
-        # A finished run never trains again, whether requeued or resubmitted.
-        log.info("%s holds a finished run (result.json); not training again", rd)
-        return json.loads((rd / rundir.RESULT).read_text())
+    cfg, env, rd, stop = s.cfg, s.env, s.run_dir, s.stop
     goodput.mark("torch")
     environment.log_placement(env)
-    device = distributed.init(env, cfg.dist)
+    device = group.init(env, cfg.dist)
     goodput.mark("group")
-    run = run_mod.start(cfg, env, rd, stop, device)
+    run = lifecycle.start(s, device, owns_group=True)
+    run._leave_group = leaving
     trainer = None
     clean = False
     # Set when a stop ended the user's code at an arbitrary point: this rank may have left while a
@@ -181,6 +144,11 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
                 stop.listening = True   # the built-in loop acts on stops at its next step_end
                 trainer = Trainer(cfg, run)
                 out = trainer.fit()
+        except SystemExit as e:
+            # The code ended itself: after a stop with run.exit_code (the README's loop), or with
+            # 0 when done. Either is this run's normal end; any other code is a failure.
+            if not (run.stopped or e.code in (0, None)):
+                raise
         except StopRun:
             interrupted = True
             watchdog.say_left_for_stop(rd, env.rank)
@@ -209,14 +177,11 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
         return out
     finally:
         goodput.resume_gc()   # a no-op once start-up ended; after an early return or a failure, not left off
-        del trainer  # the DDP reducer must go before the group (see distributed.shutdown)
+        del trainer  # the DDP reducer must go before the group (see hpc_train.node.group.shutdown)
         try:
-            run._close()
-        except BaseException:   # noqa: BLE001 - after a failure, a pending save's error must not hide it
-            if clean:
-                raise
-        run_mod._current = None
-        distributed.shutdown(clean and not interrupted, destroy=not leaving)
+            run.close(failed=not clean or interrupted)
+        finally:
+            lifecycle.forget()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,8 +211,8 @@ def release_group() -> None:
 def exit_done(code: int) -> None:
     """Leave after the work is done and every file is written: the process's exit handlers run
     (the user's included: a logger's atexit finish), then the interpreter's teardown is skipped.
-    With torch, torch._dynamo (DDP imports it) and DCP loaded, that teardown alone takes 1.2-1.3 s
-    per process here, and on a stop it sits between the committed checkpoint and the requeue.
+    With torch, torch._dynamo (DDP imports it) and DCP loaded, that teardown alone takes about a
+    second per process, and on a stop it sits between the committed checkpoint and the requeue.
     Returns instead (a normal, slower exit follows) while a non-daemon thread of the user's code
     still runs: a normal exit waits for it, and leaving now would cut it off."""
     import atexit

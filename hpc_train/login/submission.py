@@ -154,7 +154,8 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
     if resume != "none":
         from hpc_train.ckpt.compat import check_resume_changes
         check_resume_changes(rd, cfg, lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr))
-    plan = resume_mod.plan(rd, resume, cfg if fn is None and not cfg.train.script and not cfg.train.fn else None)
+    from hpc_train.trainer.signature import expected
+    plan = resume_mod.plan(rd, resume, expected(cfg) if fn is None else None)
     if plan.finished:
         raise UsageError(f"{rd} holds a finished run (result.json); use another --run-dir to train again")
     rd.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,8 @@ Hazards handled here:
 * A long timeout for start-up (nodes boot at different speeds), a shorter one after the
   health check, so a dead rank fails the job within ``dist.timeout_s`` instead of hanging.
 * Teardown: with gloo a rank sometimes hung at exit inside ``~ProcessGroupGloo`` when a DDP
-  reducer outlived the group (measured: 5 in 20 runs). Barrier, drop the model, collect
-  garbage, then destroy: 0 hangs in 20.
+  reducer outlived the group. Barrier, drop the model, collect garbage, then destroy
+  (shared/notes/torch-stack-facts.md has the counts).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def choose_backend(requested: str) -> str:
 
 def bind_device(env: NodeEnv, backend: str, threads_per_rank: int, strategy: str = "ddp") -> torch.device:
     if threads_per_rank > 0:
-        # 2 ranks with 2 threads each on 2 cores ran 1.6x slower than 1 thread each (measured).
+        # Ranks sharing cores each with several threads oversubscribe them: slower than one each.
         torch.set_num_threads(threads_per_rank)
     if backend == "nccl":
         count = torch.cuda.device_count()
@@ -123,8 +123,8 @@ def shutdown(clean: bool = True, destroy: bool = True) -> None:
     waiting for them would hang this rank for the whole collective timeout instead of letting
     it exit so the launcher (or srun) can stop the rest. ``destroy=False``: only the barrier;
     the process leaves through ``os._exit`` (hpc_train's worker), which runs no destructor that
-    could hang, so the collection and the destroy (0.15-0.2 s per rank with torch._dynamo loaded:
-    between a stop's checkpoint and the requeue) are skipped; :func:`release` does them if it
+    could hang, so the collection and the destroy (a noticeable share of a restart with
+    torch._dynamo loaded, between a stop's checkpoint and the requeue) are skipped; :func:`release` does them if it
     must exit normally after all.
     """
     if not dist.is_initialized():

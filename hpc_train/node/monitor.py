@@ -14,7 +14,9 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from hpc_train.errors import UsageError, show
 from hpc_train.logs import truncate_jsonl
 
 log = logging.getLogger("hpc_train")
@@ -58,6 +60,7 @@ class Monitor:
         """One step's scalars: ``eval_*`` keys are evaluation results, the rest training."""
         if not self.enabled:
             return
+        scalars = {k: _number("run.log", k, v) for k, v in scalars.items()}
         rec = {"step": step, **({"epoch": epoch} if epoch is not None else {}), "time": time.time(), **scalars}
         self._f.write(json.dumps(rec) + "\n")
         if self._tb is not None:
@@ -110,3 +113,17 @@ def _fmt(key: str, v: float) -> str:
     if key.endswith("per_s"):
         return f"{v:.0f}"
     return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def _number(where: str, key: str, value: Any) -> float | int:
+    """A value for the metrics record: a number, or a one-element tensor (or NumPy scalar) as one."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+    if size == 1 and callable(getattr(value, "item", None)):
+        value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+    raise UsageError(f"{where}: {key}={show(value, 60)} is not a number; log numbers or one-element tensors "
+                     f"(e.g. {key}=loss.item())")
+

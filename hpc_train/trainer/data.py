@@ -53,7 +53,7 @@ def digits(cfg: DataSection, seed: int) -> tuple[Dataset, Dataset]:
 
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """(images 1797x8x8, targets): scikit-learn's ``digits.csv.gz`` read as ``load_digits`` reads
-    it, without importing scikit-learn (1.3 s of CPU per rank at every start and restart; the
+    it, without importing scikit-learn (seconds of CPU per rank at every start and restart; the
     file is all it needs). Falls back to ``load_digits`` if the file is not where it was."""
     import importlib.util
     spec = importlib.util.find_spec("sklearn")

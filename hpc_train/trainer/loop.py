@@ -30,7 +30,7 @@ from hpc_train.trainer import data as data_mod
 from hpc_train.trainer import models
 from hpc_train.node import strategies
 from hpc_train.config import Config
-from hpc_train.errors import UsageError
+from hpc_train.errors import NonFiniteError, UsageError
 from hpc_train.run import Run
 from hpc_train.ckpt.state import seed_everything
 
@@ -118,8 +118,8 @@ class Trainer:
         self.scaler = run.scaler          # fp16: loss scaling; a pass-through otherwise
         seed_everything(cfg.seed + 1000003 * (run.rank + 1))
         self.progress = Progress()
-        from hpc_train.ckpt.store import model_signature
-        run.checkpoint_record["model"] = model_signature(cfg)   # resume refuses another model config early
+        from hpc_train.trainer.signature import model_signature
+        run.checkpoint_record["model"] = model_signature(cfg.model)   # resume refuses another model config early
         self.state: dict[str, Any] = {"model": self.model, "optim": self.optimizer, "sched": self.scheduler,
                                       "loader": self.loader, "progress": self.progress, "step": 0}
         if self.scaler.is_enabled():
@@ -144,6 +144,13 @@ class Trainer:
         return stats
 
     def fit(self) -> dict[str, Any]:
+        try:
+            return self._fit()
+        except NonFiniteError as e:   # the advice that fits this trainer's config
+            raise NonFiniteError(f"{e}. Lower optim.lr (now {self.cfg.optim.lr:g}), set optim.grad_clip, "
+                                 f"or check the data") from None
+
+    def _fit(self) -> dict[str, Any]:
         cfg, p, run, st = self.cfg, self.progress, self.run, self.state
         accum = cfg.optim.grad_accum
         self.t_start = time.time()
@@ -202,9 +209,8 @@ class Trainer:
                   "world_size": run.world_size, "effective_batch_size": global_batch,
                   "total_steps": self.total_steps, "tb_dir": str(run.run_dir / "tb"), "progress": asdict(p)}
         if not stopped:
-            ckpt = run._ckpt
             result = run.finish(result)
-            result["checkpoint_saves"] = ckpt.stats if ckpt else []
+            result["checkpoint_saves"] = run.checkpoint_stats
             log.info("done: %d steps, %d epochs, test accuracy %.4f, final train loss %.4f, %.1fs", result["steps"],
                      result["epochs"], result["test_accuracy"], result["train_loss"], result["wall_seconds"])
         return result
@@ -231,7 +237,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        self.run._sync_buffers()    # every rank evaluates rank 0's BatchNorm statistics
+        self.run.sync_buffers()    # every rank evaluates rank 0's BatchNorm statistics
         self.net.eval()
         stats = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in self.test_loader:

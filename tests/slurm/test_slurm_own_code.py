@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -65,6 +64,8 @@ def _check_finished_bitwise(slurm, job_id: str, run_dir: Path, tmp_path: Path, r
     assert len(pairs) == 2 and all(s == r for s, r in pairs), pairs
     counts = json.loads((run_dir / "requeue.json").read_text())["counts"]
     assert counts == {"preemption": 2, "timeout": 0, "failure": 0}, counts
+    assert not (run_dir / "stopped.json").exists(), "a stale stopped.json after the run finished"
+    assert len(json.loads((run_dir / "goodput.json").read_text())["segments"]) >= 3
     ref_losses, ref_weights = ref
     assert losses(run_dir) == ref_losses
     assert_bitwise(ref_weights, export(slurm, run_dir, tmp_path / "job.pt"))
@@ -127,3 +128,6 @@ def test_unaware_torchrun_script_is_requeued_and_resumes_from_its_snapshot(slurm
         assert all(f"RANK={rank} LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 GROUP_RANK={rank} MASTER_ADDR=node1 "
                    in x for x in lines), lines
     assert (run_dir / "result.json").exists()
+    # A script that knows nothing of hpc_train: its supervisor keeps the run's records all the same.
+    assert not (run_dir / "stopped.json").exists(), "a stale stopped.json after the run finished"
+    assert len(json.loads((run_dir / "goodput.json").read_text())["segments"]) == 2

@@ -1,0 +1,109 @@
+"""The restore protocol: every rank resumes from the same checkpoint, or fails together.
+
+Rank 0 chooses (sizes and checksums: it reads the candidate whole) and the other ranks take its
+choice, checking only that the directory is complete by sizes: every rank re-reading every file
+would multiply the I/O by the world size. If the chosen checkpoint fails to load on any rank,
+every rank moves on together to the next older one that rank 0 verifies, until one loads or
+none is left. A rank that failed alone would otherwise sit in its next collective while the
+others wait in theirs: a hang until ``dist.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_train.ckpt import checkpointer as checkpoint
+from hpc_train.ckpt import store
+from hpc_train.errors import CheckpointError
+
+log = logging.getLogger("hpc_train")
+_PATH_BYTES = 4096   # a checkpoint path, broadcast as a fixed-size byte tensor (any backend)
+
+
+def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int, device: torch.device,
+            multi: bool, kinds: Mapping[str, str], spec: str) -> store.CkptInfo | None:
+    """Load the agreed checkpoint into ``state``; returns what was loaded, None when fresh.
+    ``spec``: ``latest``, ``none`` (the launcher already moved old checkpoints aside) or a path."""
+    is_main = rank == 0
+    source: store.CkptInfo | None = None
+    plan_error: Exception | None = None
+    if is_main:
+        try:
+            source = store.plan(run_dir, "latest" if spec == "none" else spec, None, warn=log.warning).source
+        except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
+            plan_error = e
+    source = _agree_on(source, run_dir, rank, device, multi, plan_error)
+    record: dict[str, Any] = {}
+    while source is not None:
+        error: BaseException | None = None
+        try:
+            record = checkpoint.load(state, source.path, rank, world_size, kinds)
+        except Exception as e:  # noqa: BLE001 - handled below, on every rank together
+            error = e
+        if multi:
+            failed = torch.tensor([float(error is not None)], device=device)
+            dist.all_reduce(failed)
+            if error is None and failed.item() > 0:
+                error = CheckpointError(f"another rank could not load {source.path}; see {Path(run_dir) / 'logs'}")
+        if error is None:
+            break
+        older = None
+        if is_main:
+            log.warning("skipping checkpoint %s: it does not load: %s", source.path,
+                        str(error).splitlines()[0] if str(error) else type(error).__name__)
+            older = store.older_candidate(source, warn=log.warning)
+        older = _agree_on(older, run_dir, rank, device, multi)
+        if older is None:
+            # State may be partly overwritten by the failed load: never train on from it.
+            raise error
+        source = older
+    if source is not None:
+        saved = record.get("world_size")
+        log.info("resumed from %s: step %d, saved at world size %s%s", source.path, state["step"], saved,
+                 "" if saved == world_size else f" (saved at world size {saved}, now {world_size}: resharded)")
+    return source
+
+
+def _agree_on(chosen: store.CkptInfo | None, run_dir: Path, rank: int, device: torch.device, multi: bool,
+              error: Exception | None = None) -> store.CkptInfo | None:
+    """Every rank takes rank 0's ``chosen`` (a CkptInfo or None). The others check only that
+    the directory is complete by sizes, failing together if any rank cannot see it. ``error``:
+    rank 0 could not choose; raised there, and every other rank stops too (rather than wait
+    in the next collective)."""
+    is_main = rank == 0
+    if not multi:
+        if error is not None:
+            raise error
+        return chosen
+    failed = torch.tensor([float(error is not None)], device=device)
+    dist.all_reduce(failed)
+    if failed.item() > 0:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"rank 0 could not choose a checkpoint to resume; see {Path(run_dir) / 'logs'}")
+    buf = torch.zeros(_PATH_BYTES, dtype=torch.uint8, device=device)
+    if is_main and chosen is not None:
+        raw = str(chosen.path).encode()
+        if len(raw) >= _PATH_BYTES:
+            raise CheckpointError(f"checkpoint path longer than {_PATH_BYTES} bytes: {chosen.path}")
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.broadcast(buf, 0)
+    raw = bytes(buf.cpu().tolist()).rstrip(b"\0")
+    info, problem = chosen, None
+    if not is_main and raw:
+        info = store.inspect(Path(raw.decode()))
+        problem = None if info.complete else info.problem
+    bad = torch.tensor([float(problem is not None)], device=device)
+    dist.all_reduce(bad)
+    if bad.item() > 0:
+        raise CheckpointError(
+            f"rank 0 chose {raw.decode()} but " + (f"rank {rank} finds it incomplete ({problem})"
+                                                   if problem else "another rank finds it incomplete") +
+            f"; is {run_dir} on a filesystem every node sees?")
+    return info if raw else None

@@ -1,0 +1,176 @@
+"""A process's Run, from start-up to exit, on every path.
+
+``hpc_train.init()`` in a user's ``python train.py``, ``torchrun train.py`` or plain ``srun
+python train.py`` and the worker of ``run``/``submit``/``sbatch`` build their Run the same way:
+:mod:`hpc_train.node.session` (stop signals, environment, the run directory's lock, a finished
+run refused, heartbeat) -> process group -> :class:`~hpc_train.run.Run`. ``Run.close()`` is the
+one teardown; outside hpc_train's launchers ``init()`` registers it for the process's exit.
+
+Under hpc_train's launchers the worker builds the Run before the user's code starts, and
+``init()`` returns that one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hpc_train import config as config_mod
+from hpc_train import rundir
+from hpc_train.config import Config
+from hpc_train.errors import UsageError
+from hpc_train.node import session as session_mod
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpc_train.run import Run
+
+log = logging.getLogger("hpc_train")
+_current: Run | None = None
+
+
+
+def current() -> Run | None:
+    """The process's Run, if one was built."""
+    return _current
+
+
+def start(session: session_mod.Session, device: torch.device, owns_group: bool = False) -> Run:
+    """Make a Run the process's own (the worker does this before the user's code runs)."""
+    global _current
+    from hpc_train.run import Run
+    _current = Run(session.cfg, session.env, session.run_dir, device, session.stop, session, owns_group)
+    return _current
+
+
+def forget() -> None:
+    """The worker, once its Run is closed: a later ``init()`` in the process starts anew."""
+    global _current
+    _current = None
+
+
+def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.PathLike | None = None,
+         overrides: list[str] = ()) -> Run:
+    """The process's Run (see :func:`hpc_train.init`)."""
+    if _current is not None:
+        return _current
+    import torch
+    import torch.distributed as dist
+
+    from hpc_train.node import group
+    under_launcher = rundir.CONFIG_ENV in os.environ   # hpc_train's launcher chose, checked and wrote the config
+    resume = os.environ.get(rundir.RESUME_ENV, "latest")
+    try:
+        cfg = config if isinstance(config, Config) else config_mod.load(
+            str(config) if config else os.environ.get(rundir.CONFIG_ENV), list(overrides))
+        script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else ""
+        rd = Path(run_dir or os.environ.get(rundir.RUN_DIR_ENV) or cfg.run_dir or f"runs/{script or 'hpc_train'}")
+        # A finished run: every rank reads the same record (nothing runs), and leaves before
+        # anything is written, its log included.
+        done = session_mod.finished_result(rd) if resume != "none" else None
+        if done is not None:
+            from hpc_train.node import environment
+            if environment.current().rank == 0:
+                print(session_mod.finished_line(rd, done, f"{rundir.RESUME_ENV}=none"), file=sys.stderr)
+            raise SystemExit(0)
+        s = session_mod.begin(cfg, rd, own_process=False, escalate=True)
+        if s.is_main:   # before the group: a second job into a busy directory leaves at once
+            session_mod.claim(s, lock=not session_mod.launcher_holds_lock())
+    except UsageError as e:
+        session_mod.refuse_or_exit(e)
+    owns = not dist.is_initialized()
+    if owns:
+        device = group.init(s.env, cfg.dist)
+    else:
+        # The script set up its own group (its own init_process_group): use it as it is.
+        backend = dist.get_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
+    problem = _prepare(s, under_launcher, resume)
+    if s.env.world_size > 1 and dist.is_initialized():
+        # Every rank acts on rank 0's verdict together: a rank that left alone would leave its
+        # peers waiting in their first collective until the timeout.
+        t = torch.tensor([float(problem is not None)], device=device)
+        dist.broadcast(t, 0)
+        refused = t.item() > 0
+    else:
+        refused = problem is not None
+    if refused:
+        if problem:
+            print(problem, file=sys.stderr)
+        s.close()
+        if owns:
+            group.shutdown(True)
+        raise SystemExit(2)
+    run = start(s, device, owns_group=owns)
+    atexit.register(_at_exit, run)
+    return run
+
+
+def _prepare(s: session_mod.Session, under_launcher: bool, resume: str) -> str | None:
+    """Rank 0, outside hpc_train's launchers (which did this before starting any process):
+    ``HPC_TRAIN_RESUME=none`` moves old checkpoints aside, the config is compared with the one
+    the checkpoints were made with, and written. Other ranks start their heartbeat. Returns
+    what refuses the run, or None."""
+    s.finished = None   # HPC_TRAIN_RESUME=none: a finished run starts over (its record moved aside)
+    if not s.is_main:
+        session_mod.claim(s, lock=False)
+        s.finished = None
+        return None
+    if under_launcher:
+        return None
+    from hpc_train.ckpt import compat, store
+    try:
+        if resume != "none":
+            compat.check_resume_changes(s.run_dir, s.cfg, log.warning)
+        store.plan(s.run_dir, resume, None, warn=log.warning, verify=False)   # `none` moves aside
+        config_mod.write(s.cfg, s.run_dir)
+    except UsageError as e:
+        return f"hpc_train: {e}"
+    return None
+
+
+def resume_hint(source: str) -> str:
+    """How to resume this process's run, as the user started it."""
+    if source == "torchrun":
+        try:
+            argv = [a.decode(errors="replace") for a in
+                    Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+            if len(argv) > 1 and Path(argv[0]).name.startswith("python") and argv[1].endswith("torchrun"):
+                argv = argv[1:]   # the interpreter that a torchrun entry point runs under
+            cmd = shlex.join(argv)
+            if "torchrun" in cmd or "torch.distributed.run" in cmd:
+                return cmd
+        except OSError:
+            pass
+        return "the same torchrun command"
+    if source == "slurm":
+        return "the same srun command (or resubmit the job)"
+    return shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+
+
+def _at_exit(run: Run) -> None:
+    """The exit of a process whose Run ``init()`` built: the one teardown, then, after a stop,
+    a non-zero exit code, so a shell, torchrun and Slurm see that the run did not finish (a
+    loop that ends with ``raise SystemExit`` or falls off the end would exit 0).
+
+    Hazard: leaving through ``os._exit`` skips exit handlers registered before ``init()``;
+    those registered after it (the user's, usually) have run already, and logging is flushed here."""
+    failed = hasattr(sys, "last_value")   # set when an uncaught exception ends the interpreter
+    try:
+        run.close(failed=failed)
+    finally:
+        if run.stopped and not failed:
+            if run.is_main:
+                print(f"hpc_train: stopped by {run.stop.name} at step {run.stop_step} "
+                      f"({'checkpoint saved' if run.config.checkpoint.enabled else 'nothing saved: checkpoints are off'}); "
+                      f"resume with: {resume_hint(run.env.source)}", file=sys.stderr)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(run.exit_code)

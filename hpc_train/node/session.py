@@ -1,0 +1,173 @@
+"""One lifecycle for every way in: what a process does with its run directory, torch-free.
+
+Every path ends here: the worker of ``run``/``submit``/``sbatch`` (config, ``--fn``, a callable,
+``--script`` under its supervisor) and ``hpc_train.init()`` in a user's ``python train.py``,
+``torchrun train.py`` or plain ``srun python train.py``. :func:`begin` and :func:`claim` run
+the same sequence on each (``init()`` claims after its process group is up, so that every
+rank acts on rank 0's verdict together):
+
+1. stop signals (first: a stop during start-up is kept, not fatal);
+2. the environment (ranks from the launcher's variables) and rank-prefixed logging;
+3. the run directory's lock, on rank 0 unless the local launcher holds it: a second process
+   into a busy directory is refused at once, naming the holder;
+4. a finished run (``result.json``) is never trained again: the caller gets the result back
+   and does nothing;
+5. the heartbeat the watchdogs read.
+
+:meth:`Session.close` undoes it in reverse, once, whatever happened: a finished run keeps no
+stale ``stopped.json``, every finished or stopped run has its ``goodput.json``, the heartbeat
+stops and the lock is released. ``Run.close()`` (torch side) calls it after its own teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_train import goodput, rundir
+from hpc_train.config import Config
+from hpc_train.errors import UsageError
+from hpc_train.logs import setup_logging
+from hpc_train.node import environment, watchdog
+from hpc_train.node.environment import NodeEnv
+from hpc_train.node.stops import StopRequest, stop_signals
+
+log = logging.getLogger("hpc_train")
+
+
+@dataclass
+class Session:
+    """A process's hold on its run directory, from :func:`open_session` to :meth:`close`."""
+
+    cfg: Config
+    run_dir: Path
+    env: NodeEnv
+    stop: StopRequest
+    finished: dict[str, Any] | None = None   # result.json of a run that finished before this start
+    started: float = field(default_factory=time.time)
+    own_process: bool = False
+    _resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    _closed: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def close(self, finished: bool = False, record_goodput: bool = False) -> None:
+        """The run directory's side of the one teardown; idempotent. ``finished``: this run
+        just finished (rank 0 drops a ``stopped.json`` left by an earlier stop).
+        ``record_goodput``: no Run kept this process's ledger (a supervised script), so the
+        session records the segment itself, unless the script's own ``init()`` did."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.is_main and finished:
+                (self.run_dir / rundir.STOPPED).unlink(missing_ok=True)
+            if self.is_main and record_goodput:
+                goodput.record_segment(self.run_dir, self.started)
+        finally:
+            self._resources.close()
+
+
+def finished_result(run_dir: Path) -> dict[str, Any] | None:
+    """The record of a finished run, or None. A damaged ``result.json`` still means finished
+    (only a finished run writes it): its content is then unknown."""
+    path = Path(run_dir) / rundir.RESULT
+    if not path.exists():
+        return None
+    import json
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def finished_line(run_dir: Path, result: dict[str, Any], how_to_restart: str) -> str:
+    steps = result.get("steps")
+    at = f" at step {steps}" if isinstance(steps, int) and not isinstance(steps, bool) else ""
+    return (f"hpc_train: run {run_dir} finished{at} (a finished run: {rundir.RESULT}); nothing to do. "
+            f"{how_to_restart} starts over")
+
+
+def begin(cfg: Config, run_dir: Path, *, own_process: bool, escalate: bool,
+          stop: StopRequest | None = None) -> Session:
+    """Steps 1-2 of the module docstring: stop signals, environment, logging. ``own_process``:
+    a worker of hpc_train's launchers (it may set process-wide hooks and watch the Slurm step);
+    False inside a user's program."""
+    rd = Path(run_dir)
+    goodput.mark("worker")
+    if stop is None:
+        stop = StopRequest()
+        stop.install(stop_signals(cfg.job.signal), escalate=escalate)
+    env = environment.current()
+    setup_logging(env.rank, rd, cfg.log.level)
+    # torchrun's variables on every launch path (a torchrun-style script or fn reads them).
+    os.environ.update(environment.torchrun_vars(env))
+    os.environ[rundir.RUN_DIR_ENV] = str(rd.absolute())
+    os.environ[rundir.CONFIG_ENV] = str((rd / rundir.CONFIG).absolute())
+    if own_process:
+        _quiet_thread_os_errors()
+        watchdog.enable_stack_dumps(rundir.rank_log(rd, env.rank))
+    session = Session(cfg, rd, env, stop)
+    session.own_process = own_process
+    return session
+
+
+def claim(session: Session, *, lock: bool) -> None:
+    """Steps 3-5: the lock (``lock``: this process takes it; the local launcher holds its own),
+    a finished run (``session.finished``; nothing else is done then), the heartbeat. Raises
+    :class:`UsageError` for a busy run directory, naming the holder."""
+    s, env, res = session, session.env, session._resources
+    try:
+        if lock:
+            what = (f"Slurm job {env.job_id}" if env.job_id else
+                    "a torchrun job" if env.source == "torchrun" else f"a training run ({env.source})")
+            res.callback(rundir.RunDirLock(s.run_dir, what).acquire().release)
+            os.environ[rundir.LOCK_HELD_ENV] = str(os.getpid())   # a supervised script's init() must not take it
+        s.finished = finished_result(s.run_dir)
+        if s.finished is not None:
+            return
+        res.callback(watchdog.Heartbeat(s.run_dir, env.rank).start().stop)
+        step = os.environ.get("SLURM_STEP_ID")
+        if s.own_process and env.rank == 0 and env.job_id and step is not None and env.world_size > 1:
+            watchdog.watch_slurm_job(s.run_dir, env.world_size, s.cfg.dist.timeout_s, f"{env.job_id}.{step}")
+    except BaseException:
+        res.close()
+        raise
+
+
+def launcher_holds_lock() -> bool:
+    """Workers of the local launcher (it holds the run directory's lock for all of them), and a
+    script whose supervising worker holds it."""
+    return os.environ.get(rundir.LAUNCHER_ENV) == "local" or rundir.LOCK_HELD_ENV in os.environ
+
+
+def _quiet_thread_os_errors() -> None:
+    """DCP's writer threads die of a full disk with a traceback each; the save's own error
+    (raised in the training thread) already says it in one line. Worker processes are
+    hpc_train's own, so the hook is ours to set; anything but an OSError keeps its traceback."""
+    import threading
+    default = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        name = getattr(args.thread, "name", "") or ""
+        if isinstance(args.exc_value, OSError) or "_write_files_from_queue" in name:   # DCP's writers
+            log.debug("thread %s: %s", name, args.exc_value)
+            return
+        default(args)
+    threading.excepthook = hook
+
+
+def refuse_or_exit(e: UsageError) -> None:
+    """Inside a user's program (``init()``): a usage error is one line and exit 2, not a
+    traceback through the user's code."""
+    import sys
+    print(f"hpc_train: {e}", file=sys.stderr)
+    raise SystemExit(2)
