@@ -34,7 +34,7 @@ from ckpt_helpers import clean_env, snapshot
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 SCRIPT = str(ROOT / "tests" / "scripts" / "own_loop.py")
-STEPS = 40
+STEPS = 300
 
 
 def _port() -> str:
@@ -54,8 +54,8 @@ def _config(tmp: Path) -> str:
 
 def command(path: str, tmp: Path, rd: Path, slow: bool) -> tuple[list[str], dict[str, str], Path]:
     """(argv, environment, cwd) of one start of ``path``; ``slow``: slow enough to be stopped mid-run."""
-    sleep = "0.15" if slow else "0"
-    env = clean_env(HPC_TEST_SLOW_S="0.02" if slow else "0", OWN_LOOP_STEPS=str(STEPS), OWN_LOOP_SLEEP=sleep)
+    sleep = "0.2" if slow else "0"
+    env = clean_env(HPC_TEST_SLOW_S="0.025" if slow else "0", OWN_LOOP_STEPS=str(STEPS), OWN_LOOP_SLEEP=sleep)
     hpc = [PY, "-m", "hpc_train", "run"]
     if path == "run-config":
         return [*hpc, _config(tmp), "--nproc", "2", "--run-dir", str(rd)], env, ROOT
@@ -104,7 +104,7 @@ def wait_for_step(rd: Path, step: int, p: subprocess.Popen, timeout: float = 120
 
 
 HINTS = {"run-config": "run the same command to resume", "run-script": "run the same command to resume",
-         "run-fn": "run the same command to resume", "python": f"resume with: {PY} {SCRIPT} {STEPS} 0.15",
+         "run-fn": "run the same command to resume", "python": f"resume with: {PY} {SCRIPT} {STEPS} 0.2",
          "torchrun": "resume with:"}
 
 

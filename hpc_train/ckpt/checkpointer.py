@@ -196,7 +196,10 @@ class Checkpointer:
         # gets dist.timeout_s like every group hpc_train makes (torch's default is 30 minutes:
         # a rank lost mid-save would hang the others that long).
         from datetime import timedelta
-        self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if distributed else None
+        # Also at world size 1 under NCCL: DCP's async save needs a CPU backend in the group it
+        # is given, and falls back to the (NCCL-only) default group without one.
+        self.pg = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                   if dist.is_initialized() else None)
         self.no_dist = not distributed
         self.pending: tuple[Future, int] | None = None   # (committed, step)
         self.last_save_t = time.monotonic()
