@@ -14,8 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 from ckpt_helpers import (REPO, assert_same_weights, clean_env, export, hpc, show, start, steps, stop_when,

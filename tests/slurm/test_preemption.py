@@ -78,6 +78,7 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monk
     assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
     # every step once in the metrics, with the uninterrupted run's loss
     ref_losses, got = losses(tmp_path / "ref"), losses(run_dir)
+    assert sorted(ref_losses) == list(range(1, 2501)), len(ref_losses)   # not two empty dicts
     assert got == ref_losses
     status = slurm.cli("status", run_dir)
     assert "restarts 2" in status.stdout and "preemption 2" in status.stdout, status.stdout
@@ -112,7 +113,9 @@ def test_time_limit_requeues_itself_and_finishes_bitwise(slurm, tmp_path):
     assert len(runs) >= 2 and runs[-1]["State"] == "COMPLETED", runs
     rec = json.loads((run_dir / "requeue.json").read_text())
     assert rec["counts"]["timeout"] == len(runs) - 1 and rec["counts"]["preemption"] == 0, rec
-    assert all(s == r for s, r in _stop_resume_pairs(run_dir))
+    pairs = _stop_resume_pairs(run_dir)
+    assert len(pairs) == len(runs) - 1, (pairs, runs)     # one stop and one resume per requeue
+    assert all(s == r for s, r in pairs), pairs
     assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
 
 
