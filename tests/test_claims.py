@@ -124,16 +124,16 @@ def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader):
     generator (which isolates the bug above to the global RNG draw)."""
     env = {"HPC_TEST_LOADER": loader}
     ref = tmp_path / "ref"
-    p = _fn_run(tmp_path, ref, 20, env=env)
+    p = _fn_run(tmp_path, ref, 12, env=env)
     assert p.returncode == 0, show(p)
     rd = tmp_path / "run"
-    p = _fn_run(tmp_path, rd, 20, env={**env, "HPC_TEST_REQUEST_STOP_AT": "0:4"})
+    p = _fn_run(tmp_path, rd, 12, env={**env, "HPC_TEST_REQUEST_STOP_AT": "0:4"})
     assert p.returncode == 128 + signal.SIGTERM and "checkpoint saved at step 4" in p.stderr, show(p)
-    p = _fn_run(tmp_path, rd, 20, env=env)
+    p = _fn_run(tmp_path, rd, 12, env=env)
     assert p.returncode == 0, show(p)
     assert "resumed from" in (rd / "logs" / "rank-0.log").read_text()
     ref_losses, got = train_losses(ref), train_losses(rd)
-    assert len(ref_losses) == 20 and got == ref_losses
+    assert len(ref_losses) == 12 and got == ref_losses
     assert_same_weights(export(ref, tmp_path / "a.pt"), export(rd, tmp_path / "b.pt"))
 
 

@@ -263,7 +263,11 @@ def test_full_and_read_only_disks_are_one_line(small_disk):
     line = next(x for x in p.stderr.splitlines() if x.startswith("hpc_train: worker rank"))
     assert "No space left on device" in line or "could not be recorded" in line, show(p)
     assert "No space left on device" in p.stderr
-    for info in resume.scan(full / "run"):         # nothing half-written counts as complete
+    # The save that filled the disk left a step directory, which must not count as complete (a loop
+    # over the complete ones alone would pass on nothing: here none is, the first save fails).
+    scanned = resume.scan(full / "run")
+    assert [i for i in scanned if not i.complete], [(i.step, i.complete) for i in scanned]
+    for info in scanned:         # nothing half-written counts as complete
         if info.complete:
             load_full(info.path)
 

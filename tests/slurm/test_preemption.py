@@ -195,6 +195,7 @@ def test_killed_rank_ends_the_job_and_failure_budget_resumes_it(slurm, tmp_path)
     while slurm.state(job).split()[0] == "RUNNING" and time.monotonic() - killed < timeout_s + 60:
         time.sleep(0.5)
     ended_after = time.monotonic() - killed
+    # A bound on a hang (the job must not outlive a dead rank), not a speed requirement.
     assert ended_after < timeout_s + 30, f"the job kept running {ended_after:.0f}s after a rank died"
     assert slurm.wait_done(job, 300) == "COMPLETED"
     assert json.loads((run_dir / "requeue.json").read_text())["counts"]["failure"] == 1
@@ -219,7 +220,7 @@ def test_stopped_rank_is_named_with_its_stack_and_the_failure_budget_resumes_it(
             os.kill(pid, signal.SIGCONT)
     ended_after = time.monotonic() - stopped
     print(f"SIGSTOP of rank 1 on Slurm: the job step ended {ended_after:.1f} s later")
-    assert ended_after < timeout_s + 60, f"the job kept running {ended_after:.0f}s after a rank froze"
+    assert ended_after < timeout_s + 60, f"the job kept running {ended_after:.0f}s after a rank froze"   # a hang bound
     assert slurm.wait_done(job, 300) == "COMPLETED"
     log0 = (run_dir / "logs" / "rank-0.log").read_text()
     assert f"rank 1 (pid {pid} on " in log0 and "stopped responding" in log0, log0[-3000:]
