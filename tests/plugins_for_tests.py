@@ -292,3 +292,177 @@ def reports_gc(cfg, env, device):
     import json
     Path(cfg.run_dir, f"gc-rank{env.rank}.json").write_text(json.dumps({"enabled": gc.isenabled()}))
     return {"ok": True}
+
+
+# -- tests/test_claims*.py: the README's claims, each through the public API ----------------------
+#
+# ``claims_loop`` is a user's own loop on ``hpc_train.init()`` (README "Your own training code"),
+# driven by environment knobs so that one function serves several claims:
+#
+# ``HPC_TEST_REQUEST_STOP_AT="R:K"``
+#     rank R calls ``run.request_stop()`` just before step K's forward (so the stop is agreed at
+#     step K whether the agreement rides on DDP's all-reduce or not).
+# ``HPC_TEST_OWN_DDP=1``
+#     the loop builds its own ``DistributedDataParallel`` and hands it to ``run.watch`` instead of
+#     calling ``run.wrap``.
+# ``HPC_TEST_COUNT_ALLREDUCE=1``
+#     each rank counts the ``torch.distributed.all_reduce`` calls made inside ``run.step_end`` and
+#     writes them to ``allreduce-rank<R>.json`` in the run directory.
+# ``HPC_TEST_LOADER=stateful`` (or ``stateful-gen``: with a ``generator`` of its own)
+#     the data comes from torchdata's ``StatefulDataLoader`` (in ``state``) instead of ``run.loader``.
+# ``HPC_TEST_SAVE_PROBE=1``
+#     ``state["probe"]`` is a :class:`SaveProbe`.
+# ``HPC_TEST_SIGSTOP_IN=save|load``, ``HPC_TEST_SIGSTOP_RANK=R``, ``HPC_TEST_SIGSTOP_AFTER=N``
+#     ``state["freeze"]`` is a :class:`FreezeIn`: rank R stops itself (SIGSTOP) inside the named phase.
+
+
+class SaveProbe:
+    """A user's own state object (kind ``stateful``: rank 0 calls ``state_dict()`` inside every
+    save, after the save has waited for the one before it). It checks that every older step
+    directory already holds its ``commit.json`` at that moment, i.e. that no earlier save is still
+    in flight, and writes what it saw to ``save-probe.json``."""
+
+    def __init__(self, state: dict, run_dir: Path) -> None:
+        self.state, self.out = state, Path(run_dir) / "save-probe.json"
+        self.seen: list[dict] = []
+
+    def state_dict(self) -> dict:
+        import json
+        step = self.state["step"]
+        root = self.out.parent / "checkpoints"
+        older = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit() and int(p.name[5:]) < step)
+        pending = [s for s in older if not (root / f"step-{s}" / "commit.json").exists()]
+        self.seen.append({"step": step, "older": older, "uncommitted": pending})
+        self.out.write_text(json.dumps(self.seen))
+        return {"checks": len(self.seen)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+class FreezeIn:
+    """A user's own state object that freezes its process (SIGSTOP to itself, a real stopped
+    rank) inside the checkpoint phase named by ``HPC_TEST_SIGSTOP_IN``: ``save`` from
+    ``state_dict()`` (called by the checkpointer while it saves; rank 0 only, as for every
+    ``stateful`` object), ``load`` from ``load_state_dict()`` (called while a checkpoint loads, on
+    every rank). Only on rank ``HPC_TEST_SIGSTOP_RANK``, at its ``HPC_TEST_SIGSTOP_AFTER``-th call
+    (default 1). Before stopping it writes ``frozen-<phase>-rank<R>`` (its pid) to the run
+    directory, so the test knows the rank is frozen and in which phase."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir, self.rank = Path(run_dir), rank
+        self.phase = os.environ.get("HPC_TEST_SIGSTOP_IN", "")
+        self.target = int(os.environ.get("HPC_TEST_SIGSTOP_RANK", "-1"))
+        self.after = int(os.environ.get("HPC_TEST_SIGSTOP_AFTER", "1"))
+        self.calls = {"save": 0, "load": 0}
+
+    def _maybe_freeze(self, phase: str) -> None:
+        import signal
+        self.calls[phase] += 1
+        if self.phase == phase and self.rank == self.target and self.calls[phase] == self.after:
+            Path(self.run_dir, f"frozen-{phase}-rank{self.rank}").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def state_dict(self) -> dict:
+        self._maybe_freeze("save")
+        return {"calls": self.calls["save"]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._maybe_freeze("load")
+
+
+def claims_loop():
+    """A user's own loop on the public API (see the knobs above); returns like ``run_api_loop``."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import hpc_train
+    run = hpc_train.init()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.25), nn.Linear(32, 1))
+    if os.environ.get("HPC_TEST_OWN_DDP") == "1":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = run.watch(DDP(net))
+    else:
+        model = run.wrap(net)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 1, generator=g))
+    if os.environ.get("HPC_TEST_LOADER", "").startswith("stateful"):
+        from torch.utils.data.distributed import DistributedSampler
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=5)
+        # "stateful-gen": the loader draws its per-iter() base seed from its own generator, not
+        # from torch's global RNG (which hpc_train restores, and the dropout masks come from).
+        gen = torch.Generator().manual_seed(7) if os.environ["HPC_TEST_LOADER"] == "stateful-gen" else None
+        loader = StatefulDataLoader(data, batch_size=8, sampler=sampler, drop_last=True, generator=gen)
+    else:
+        loader = run.loader(data, batch_size=8, shuffle=True)
+    state = {"model": model, "optim": opt, "loader": loader, "step": 0, "epoch": 0}
+    if os.environ.get("HPC_TEST_SAVE_PROBE") == "1":
+        state["probe"] = SaveProbe(state, run.run_dir)
+    if os.environ.get("HPC_TEST_SIGSTOP_IN"):
+        state["freeze"] = FreezeIn(run.run_dir, run.rank)
+    run.restore(state)
+    who, _, at = os.environ.get("HPC_TEST_REQUEST_STOP_AT", "").partition(":")
+    counts: list[int] = []
+    count = os.environ.get("HPC_TEST_COUNT_ALLREDUCE") == "1"
+    total = run.config.train.max_steps or 10**9
+    loss = torch.zeros(())
+    stateful = os.environ.get("HPC_TEST_LOADER", "").startswith("stateful")
+    while state["step"] < total:
+        if stateful:
+            loader.sampler.set_epoch(state["epoch"])   # what a StatefulDataLoader user does per epoch
+        for x, y in loader:
+            if who and int(who) == run.rank and state["step"] + 1 == int(at):
+                run.request_stop()
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state["step"] += 1
+            run.log(state["step"], loss=loss.item())
+            if count:
+                real, n = dist.all_reduce, [0]
+
+                def counting(*a, **k):
+                    n[0] += 1
+                    return real(*a, **k)
+                dist.all_reduce = counting
+                try:
+                    stop = run.step_end(state)
+                finally:
+                    dist.all_reduce = real
+                counts.append(n[0])
+                (run.run_dir / f"allreduce-rank{run.rank}.json").write_text(json.dumps(counts))
+            else:
+                stop = run.step_end(state)
+            if stop:
+                return {"stopped": state["step"]}
+            if state["step"] >= total:
+                break
+        else:
+            state["epoch"] += 1
+    return run.finish({"steps": state["step"], "loss": loss.item()})
+
+
+def slow_build_mlp(cfg):
+    """The built-in MLP, built slowly: writes ``building-rank<R>`` to ``HPC_TEST_MARK_DIR``, sleeps
+    ``HPC_TEST_BUILD_SLEEP_S`` (start-up that takes a while: a big model, a slow filesystem), then
+    writes ``built-rank<R>`` saying whether a stop had been requested by then."""
+    import dataclasses
+    import json
+
+    import hpc_train
+    from hpc_train.trainer import models
+    run = hpc_train.init()
+    _mark("building")
+    time.sleep(float(os.environ.get("HPC_TEST_BUILD_SLEEP_S", "0")))
+    d = os.environ.get("HPC_TEST_MARK_DIR")
+    if d:
+        Path(d, f"built-rank{run.rank}").write_text(json.dumps({"stop_requested": run.stop_requested}))
+    return models.build(dataclasses.replace(cfg, name="mlp"))

@@ -85,7 +85,9 @@ def test_kill9_during_checkpoint_writes_never_resumes_from_partial(tmp_path):
         newest = resume.newest_complete(rd)
         assert newest is not None and newest.step > before
         where[_classify(rd, newest.step)] += 1
-        for info in resume.scan(rd):
+        scanned = resume.scan(rd)
+        assert newest.step in [i.step for i in scanned if i.complete], [i.step for i in scanned]
+        for info in scanned:
             if info.complete:                   # what resume may pick: must be whole and loadable
                 assert verify_one(info) is None, (info.path, verify_one(info))
                 state = load_full(info.path)

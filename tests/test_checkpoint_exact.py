@@ -83,6 +83,7 @@ def test_stop_and_resume_is_bitwise_exact(straight, tmp_path, config, stop_at, k
     losses = train_losses(rd)
     assert sorted(losses) == list(range(1, total + 1))
     after = {s: (losses[s], straight_losses[s]) for s in range(k + 1, total + 1)}
+    assert len(after) == total - k > 0, (k, total)
     assert all(a == b for a, b in after.values()), f"losses after step {k} differ: {after}"
     assert losses == straight_losses
 

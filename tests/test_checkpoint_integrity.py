@@ -49,7 +49,9 @@ def flip_bit(path, rng: random.Random) -> int:
 
 def test_commit_records_crc32_of_every_file(base):
     _, rd = base
-    for info in resume.scan(rd):
+    scanned = resume.scan(rd)
+    assert [i.step for i in scanned] == [6, 4, 2]
+    for info in scanned:
         sums = info.record["checksums"]
         assert sums["algorithm"] == "crc32" and set(sums["files"]) == set(info.record["files"])
         assert {".metadata", "app.pt", "rank-0.pt", "rank-1.pt"} <= set(sums["files"])
@@ -61,6 +63,7 @@ def test_a_bit_flip_in_any_file_is_detected(copy):
     ck = rd / "checkpoints" / "step-4"
     rng = random.Random(4)
     names = sorted(json.loads((ck / "commit.json").read_text())["files"])
+    assert {".metadata", "app.pt", "rank-0.pt", "rank-1.pt"} <= set(names), names
     for name in names:
         original = (ck / name).read_bytes()
         flip_bit(ck / name, rng)
@@ -147,7 +150,7 @@ def test_resume_falls_back_past_a_damaged_newest(copy, damage):
     damaged = snapshot(ck6)
     step4 = snapshot(rd / "checkpoints" / "step-4")
     v = hpc("ckpt", "verify", rd)
-    assert v.returncode == 1 and f"step-6: BAD: " in v.stdout and "step-4: ok" in v.stdout, show(v)
+    assert v.returncode == 1 and "step-6: BAD: " in v.stdout and "step-4: ok" in v.stdout, show(v)
 
     p = run(cfg, rd)
     assert p.returncode == 0, show(p)
@@ -268,7 +271,7 @@ def test_random_bit_flips_never_resume_from_damage_nor_delete_intact(tmp_path):
             if (rd / "checkpoints" / n).exists():
                 continue
             assert int(n[5:]) < kept_floor, (round_, seed, n, [i.step for i in now])
-        assert all(verify_one(i) is None for i in now), (round_, seed)   # damage never stays in place
+        assert now and all(verify_one(i) is None for i in now), (round_, seed)   # damage never stays in place
         assert len(resume.moved_aside(rd)) <= KEEP_SKIPPED
         outcomes.append(f"{victim.path.name}/{name}: resumed {loaded}")
     print(f"{ROUNDS} rounds, every resume loaded the newest intact checkpoint:")

@@ -86,6 +86,7 @@ def test_export_loads_with_weights_only(copy, tmp_path):
     from hpc_train.trainer import models
     model = models.build(config.load(cfg).model)
     model.load_state_dict(w6, strict=True)
+    assert len(w6) >= 2 and sorted(w6) == sorted(w4) == sorted(model.state_dict()), (sorted(w6), sorted(w4))
     assert all(isinstance(v, torch.Tensor) for v in w6.values())
     full = load_full(rd / "checkpoints" / "step-6")                  # the same tensors as in the checkpoint
     assert all(torch.equal(full[f"model.{k}"], v) for k, v in w6.items())

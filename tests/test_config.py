@@ -260,13 +260,12 @@ BILLION_LAUGHS = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\
     f"{x}: &{x} [{', '.join([f'*{p}'] * 9)}]\n" for p, x in zip("abcdefgh", "bcdefghi"))
 
 
+@pytest.mark.timeout(60)    # a bound on a hang (expanding the aliases would never end), not a speed
 def test_alias_bomb_fails_fast(job_file):
-    import time
+    # How fast it fails is measured by benchmarks/cli_latency.py, not asserted here (a shared machine).
     f = job_file(BILLION_LAUGHS)
-    t = time.perf_counter()
     with pytest.raises(UsageError) as e:
         config.load(f)
-    assert time.perf_counter() - t < 0.5
     msg = one_line(e)
     assert "job.yaml" in msg and "alias *a" in msg and "line 2" in msg
 

@@ -68,7 +68,8 @@ def test_two_process_run_reports_everything(run_cli, run_dir, smoke):
     assert {"train/loss", "train/acc", "lr", "samples_per_s", "eval/acc"} <= tags
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 13))
     assert 8 in [e.step for e in acc.Scalars("eval/acc")]
-    assert all(e.value > 0 for e in acc.Scalars("samples_per_s"))
+    speeds = acc.Scalars("samples_per_s")
+    assert [e.step for e in speeds] == [4, 8, 12] and all(e.value > 0 for e in speeds)
 
 
 def test_digits_job_reaches_95_percent(run_cli, run_dir):

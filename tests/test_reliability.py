@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import REPO, children, hpc, load_full, one_line_exit2, show, start, write_config
+from ckpt_helpers import REPO, children, clean_env, hpc, load_full, one_line_exit2, show, start, write_config
 
 from hpc_train.ckpt import store as resume
 
@@ -93,27 +94,57 @@ def test_sigterm_to_one_worker_ends_the_run_unfinished_and_says_so(tmp_path):
     assert not (rd / "result.json").exists()
 
 
+FROZEN_RANK = {"step": 1, "save": 0, "load": 1}
+
+
+def _frozen(pid: int) -> bool:
+    """The process is stopped (state T in /proc/PID/stat)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("phase", ["step", "save", "load"])
 def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
     """SIGSTOP one rank with dist.timeout_s=15: the run must end within 75 s, naming that rank, with
-    its Python stack in its log."""
-    cfg = write_config(tmp_path / "job.yaml", BIG if phase != "step" else {**BIG, "checkpoint": {"every_steps": 0}})
+    its Python stack in its log. "save" and "load" freeze the rank inside that phase: the user's own
+    state object (tests/plugins_for_tests.py:FreezeIn, in the state of the `claims_loop` function)
+    stops its process from its state_dict(), which the checkpointer calls while it saves (rank 0:
+    `stateful` objects are saved from rank 0), or from its load_state_dict(), called while a
+    checkpoint loads; the stack dump shows the frozen frame inside the checkpointer."""
+    rank = FROZEN_RANK[phase]
     rd = tmp_path / "run"
+    if phase == "step":
+        cfg = write_config(tmp_path / "job.yaml", {**BIG, "checkpoint": {"every_steps": 0}})
+        argv = ("run", cfg, "--nproc", "2", "--run-dir", rd)
+        env = clean_env()
+    else:
+        cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 100000}, "dist": {"timeout_s": 15},
+                                                   "checkpoint": {"every_steps": 1, "keep": 2}})
+        argv = ("run", "--fn", "tests.plugins_for_tests:claims_loop", cfg, "--nproc", "2", "--run-dir", rd)
+        env = clean_env(HPC_TEST_SIGSTOP_IN=phase, HPC_TEST_SIGSTOP_RANK=str(rank),
+                        HPC_TEST_SIGSTOP_AFTER="3" if phase == "save" else "1")
     if phase == "load":
-        first = hpc("run", cfg, "--nproc", "2", "--run-dir", rd, "--set", "train.max_steps=3")
+        # The same state (FreezeIn included: the keys must match), with no phase: nothing freezes.
+        first = hpc(*argv, "--set", "train.max_steps=3", env=clean_env(HPC_TEST_SIGSTOP_IN="none"))
         assert first.returncode == 0, show(first)
         (rd / "result.json").unlink()            # not finished: the next run resumes, loading step 3
         for hb in (rd / "logs" / ".heartbeat").iterdir():   # the first run's: _worker_pid must see the new one
             hb.unlink()
-    p = start("run", cfg, "--nproc", "2", "--run-dir", rd)
-    pid = _worker_pid(rd, 1)
+    p = start(*argv, env=env)
+    pid = _worker_pid(rd, rank)
     if phase == "step":
         log0 = rd / "logs" / "rank-0.log"
         _wait_for(lambda: log0.exists() and "step 50/" in log0.read_text(), 120, "training")
-    elif phase == "save":
-        _wait_for(lambda: (rd / "checkpoints" / "step-3").exists(), 120, "saves under way")
-    # load: the heartbeat appears at start-up, before the checkpoint is read: stop it now
-    os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
+    else:
+        marker = rd / f"frozen-{phase}-rank{rank}"
+        def frozen() -> bool:
+            assert p.poll() is None, f"the run ended before rank {rank} froze in {phase}: {p.communicate()[1][-3000:]}"
+            return marker.exists() and bool(marker.read_text()) and _frozen(pid)
+        _wait_for(frozen, 120, f"rank {rank} frozen in {phase}")
+        assert int(marker.read_text()) == pid
     t0 = time.monotonic()
     try:
         out, err = p.communicate(timeout=90)
@@ -121,15 +152,22 @@ def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
         os.kill(pid, signal.SIGCONT) if Path(f"/proc/{pid}").exists() else None
     took = time.monotonic() - t0
     print(f"SIGSTOP during {phase}: the run ended {took:.1f} s later")
-    assert took <= 75, err
+    assert took <= 75, err                       # a bound on a hang (dist.timeout_s + 60), not a speed
     assert p.returncode == 1, err
-    assert f"worker rank 1 failed (stopped responding): WatchdogError: rank 1 (pid {pid} on " in err, err
-    log1 = (rd / "logs" / "rank-1.log").read_text()
-    assert "most recent call first" in log1 and "hpc_train/node/watchdog.py" in log1   # faulthandler's stack dump
+    assert f"worker rank {rank} failed (stopped responding): WatchdogError: rank {rank} (pid {pid} on " in err, err
+    log = (rd / "logs" / f"rank-{rank}.log").read_text()
+    assert "most recent call first" in log and "hpc_train/node/watchdog.py" in log   # faulthandler's stack dump
+    if phase != "step":
+        # The frozen main thread's stack: inside the checkpointer's save or load, in the object's hook.
+        hook, inside = {"save": ("state_dict", "_save"), "load": ("load_state_dict", "load")}[phase]
+        assert re.search(rf'plugins_for_tests\.py", line \d+ in {hook}\n', log), log[-3000:]
+        assert re.search(rf'hpc_train/ckpt/checkpointer\.py", line \d+ in {inside}\n', log), log[-3000:]
     assert "Traceback" not in err
-    for info in resume.scan(rd):                  # nothing half-written counts as complete
-        if info.complete:
-            load_full(info.path)
+    complete = [info for info in resume.scan(rd) if info.complete]
+    if phase != "step":
+        assert complete, "the saves before the freeze (or the checkpoint being loaded) are complete"
+    for info in complete:                        # nothing half-written counts as complete
+        load_full(info.path)
 
 
 def test_divergence_stops_the_run_and_saves_nothing_non_finite(tmp_path):
@@ -142,10 +180,18 @@ def test_divergence_stops_the_run_and_saves_nothing_non_finite(tmp_path):
     assert "NonFiniteError: training diverged at step" in line and "Lower optim.lr (now 1e+30)" in line
     assert "Traceback" not in p.stderr
     assert not (rd / "result.json").exists()
+    diverged = int(re.search(r"training diverged at step (\d+)", line).group(1))
+    # Nothing was saved for the diverged step, and the checkpoints before it are there: a loop
+    # over none would pass on nothing.
+    assert not (rd / "checkpoints" / f"step-{diverged}").exists(), sorted(os.listdir(rd / "checkpoints"))
+    scanned = resume.scan(rd)
+    assert scanned and all(info.step < diverged for info in scanned), [i.step for i in scanned]
+    assert [info for info in scanned if info.complete], "no complete checkpoint before the divergence"
     import torch
-    for info in resume.scan(rd):
+    for info in scanned:
         state = load_full(info.path)
-        assert all(torch.isfinite(v).all() for v in state.values() if torch.is_tensor(v) and v.is_floating_point())
+        floats = [v for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
+        assert floats and all(torch.isfinite(v).all() for v in floats)
 
 
 @pytest.mark.parametrize("cmd", ["run", "sbatch", "submit --dry-run"])
@@ -191,6 +237,9 @@ def small_disk(tmp_path):
     """A real 700 KiB filesystem (tmpfs), and a read-only one: a full disk and a read-only mount
     are faults only a real filesystem gives."""
     if os.geteuid() != 0:
+        # Like the Slurm tests (tests/slurm/conftest.py): under CI=true a missing privilege fails.
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI=true, but mounting a small tmpfs needs root: run the suite as root in CI")
         pytest.skip("mounting a small tmpfs needs root")
     full, ro = tmp_path / "full", tmp_path / "ro"
     full.mkdir()
@@ -214,7 +263,11 @@ def test_full_and_read_only_disks_are_one_line(small_disk):
     line = next(x for x in p.stderr.splitlines() if x.startswith("hpc_train: worker rank"))
     assert "No space left on device" in line or "could not be recorded" in line, show(p)
     assert "No space left on device" in p.stderr
-    for info in resume.scan(full / "run"):         # nothing half-written counts as complete
+    # The save that filled the disk left a step directory, which must not count as complete (a loop
+    # over the complete ones alone would pass on nothing: here none is, the first save fails).
+    scanned = resume.scan(full / "run")
+    assert [i for i in scanned if not i.complete], [(i.step, i.complete) for i in scanned]
+    for info in scanned:         # nothing half-written counts as complete
         if info.complete:
             load_full(info.path)
 

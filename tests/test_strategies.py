@@ -83,6 +83,7 @@ def test_fsdp_matches_ddp_within_tolerance(straight):
     assert sorted(weights) == sorted(ddp_weights)
     diff = max((weights[k] - ddp_weights[k]).abs().max().item() for k in weights)
     assert diff <= FSDP_ATOL, f"fsdp differs from ddp by {diff}"
+    assert losses and sorted(losses) == sorted(ddp_losses), (sorted(losses), sorted(ddp_losses))
     assert all(abs(losses[s] - ddp_losses[s]) <= 1e-5 for s in losses)
 
 
