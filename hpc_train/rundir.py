@@ -12,10 +12,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-CONFIG = "config.yaml"
-RESULT = "result.json"
-STOPPED = "stopped.json"
-LOGS = "logs"
+CONFIG = "config.yaml"          # the resolved config
+RESULT = "result.json"          # a finished run: it never trains again
+STOPPED = "stopped.json"        # the last stop: step, signal, timeline (node.stops.record_stop)
+LOGS = "logs"                   # rank-R.log, rank-R.error, the heartbeats
+METRICS = "metrics.jsonl"       # one line per logged step (rank 0)
+TB = "tb"                       # TensorBoard events
+GOODPUT = "goodput.json"        # where the wall time went (goodput.Ledger)
+REQUEUE = "requeue.json"        # requeues per cause (requeue)
+REQUEUE_PENDING = "requeue.pending"   # a stop's request, for the batch shell's hook
+JOB = "job.json"                # the Slurm jobs of this run (login.scheduler)
+SUBMITIT = "submitit"           # submitit's own folder
+SWEEP_MANIFEST = "sweep.json"   # a sweep directory's tasks (login.sweep)
+CHECKPOINTS = "checkpoints"     # step-N/ directories (ckpt.store)
+COMMIT = "commit.json"          # a complete checkpoint's record, written last
+APP_STATE = "app.pt"            # a checkpoint's plain values (rank 0)
 
 # What a launcher tells the processes it starts (a script's `hpc_train.init()` reads them).
 CONFIG_ENV = "HPC_TRAIN_CONFIG"

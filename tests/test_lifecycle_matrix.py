@@ -34,7 +34,7 @@ from ckpt_helpers import clean_env, snapshot
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 SCRIPT = str(ROOT / "tests" / "scripts" / "own_loop.py")
-STEPS = 300
+STEPS = 600
 
 
 def _port() -> str:
