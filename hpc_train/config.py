@@ -178,8 +178,24 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_written_dict(self) -> dict[str, Any]:
+        """The sections that apply, as ``config.yaml`` and ``config`` show them. A script or a
+        function (``train.script``, ``train.fn``) never reads the built-in trainer's sections
+        (:data:`TRAINER_SECTIONS`): of those only the keys set away from their defaults are kept.
+        :func:`load` gives whatever is left out its default again."""
+        d = self.to_dict()
+        if self.train.script or self.train.fn:
+            defaults = Config().to_dict()
+            for name in TRAINER_SECTIONS:
+                kept = {k: v for k, v in d[name].items() if v != defaults[name][k]}
+                if kept:
+                    d[name] = kept
+                else:
+                    del d[name]
+        return d
+
     def to_yaml(self) -> str:
-        return _with_docs(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return _with_docs(yaml.safe_dump(self.to_written_dict(), sort_keys=False))
 
     def digest(self) -> str:
         """A short hash of everything that changes what is trained (not where it runs)."""
@@ -191,6 +207,8 @@ class Config:
 
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}
+# Read only by the built-in trainer (hpc_train.trainer), never by a train.script or train.fn run.
+TRAINER_SECTIONS = ("data", "model", "optim")
 
 
 def _with_docs(text: str) -> str:
