@@ -148,6 +148,45 @@ def test_status_of_a_run_with_no_checkpoint_says_a_rerun_starts_from_step_0(tmp_
     assert "resumes it" not in st, st
 
 
+# -- 4. true messages ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_resume_none_help_says_checkpoints_are_moved_aside(command):
+    p = hpc(command, "--help")
+    assert p.returncode == 0, show(p)
+    text = " ".join(p.stdout.split())       # argparse wraps the help
+    assert "refused if checkpoints exist" not in text
+    assert "none: start from scratch (checkpoints already there are moved aside to checkpoints.old-<time>/, " \
+           "never deleted)" in text, text
+
+
+@pytest.mark.parametrize("typed, stray", [(["2"], "2"), (["--epochs", "2"], "--epochs 2"),
+                                          (["a", "b c"], "a 'b c'")])
+def test_script_arguments_without_the_separator_say_where_they_go(tmp_path, typed, stray):
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    rd = tmp_path / "run"
+    for command in (["run"], ["submit", "--dry-run"]):
+        p = hpc(*command, "--script", script, *typed, "--run-dir", rd)
+        assert p.returncode == 2, show(p)
+        assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr and "ran" not in p.stdout, show(p)
+        assert f"unrecognized arguments: {stray}; a script's arguments go after `--`: " in p.stderr, show(p)
+        assert p.stderr.rstrip().endswith(f"--script {script} -- {stray}"), show(p)
+        assert not rd.exists()
+
+
+def test_a_script_run_does_not_claim_to_start_fresh(tmp_path):
+    """hpc_train cannot know what a script restores by itself (jobs/ddp_snapshot.py loads its own
+    snapshot): without a checkpoint of hpc_train's, the console says so instead of 'starting fresh'."""
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    p = hpc("run", "--script", script, "--run-dir", tmp_path / "run", *QUIET)
+    assert p.returncode == 0, show(p)
+    assert "starting fresh" not in p.stderr, show(p)
+    assert "no hpc_train checkpoint to resume; the script resumes from its own checkpoints, if it keeps any" \
+        in p.stderr, show(p)
+
+
 # -- 5. a script run's config.yaml -----------------------------------------------------------
 
 READS_ITS_CONFIG = """\
