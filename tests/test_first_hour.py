@@ -148,6 +148,97 @@ def test_status_of_a_run_with_no_checkpoint_says_a_rerun_starts_from_step_0(tmp_
     assert "resumes it" not in st, st
 
 
+# -- 2. a dry run that shows what runs ---------------------------------------------------------
+
+def _header(text: str) -> list[str]:
+    """The dry run's lines before submitit's '# Parameters' (hpc_train's header)."""
+    lines = text.splitlines()
+    return lines[:lines.index("# Parameters")]
+
+
+def _config_block(header: list[str]) -> dict:
+    start = next(i for i, x in enumerate(header) if x.startswith("# config"))
+    return yaml.safe_load("\n".join(x[4:] for x in header[start + 1:] if x.startswith("#   ")))
+
+
+def test_dry_run_shows_the_script_with_its_arguments_the_run_directory_and_the_config(tmp_path):
+    from hpc_train import config
+    script = tmp_path / "my train.py"
+    script.write_text("print('ran')\n")
+    rd = tmp_path / "run"
+    p = hpc("submit", "--script", script, "--nodes", "2", "--run-dir", rd, "--set", "optim.lr=0.25", "--dry-run",
+            "--", "a", "b c", "--lr=0.1")
+    assert p.returncode == 0, show(p)
+    head = _header(p.stdout)
+    assert head[0] == "#!/bin/bash" and all(x.startswith("#") for x in head if x), head
+    runs = next(x for x in head if x.startswith("# runs: "))
+    assert runs.startswith(f"# runs: python {shlex.quote(str(script))} a 'b c' --lr=0.1,"), runs
+    assert f"# run directory: {rd} " in p.stdout
+    shown = _config_block(head)
+    assert shown["job"]["nodes"] == 2 and shown["run_dir"] == str(rd) and shown["optim"] == {"lr": 0.25}
+    assert shown["train"]["script"] == str(script) and shown["train"]["args"] == ["a", "b c", "--lr=0.1"]
+    assert "data" not in shown and "model" not in shown          # a script run's sections (point 5)
+    loaded = config.load(None, [], shown)
+    assert loaded.train.args == ["a", "b c", "--lr=0.1"] and loaded.checkpoint.every_seconds == 600
+    assert not rd.exists()                                        # a dry run writes nothing
+
+
+def test_dry_run_names_the_built_in_trainer_or_the_function(tmp_path):
+    p = hpc("submit", DIGITS, "--nodes", "2", "--run-dir", tmp_path / "a", "--dry-run")
+    assert p.returncode == 0, show(p)
+    head = _header(p.stdout)
+    assert "# runs: hpc_train's built-in trainer (model convnet, data digits), in every task" in head, head
+    assert _config_block(head)["optim"]["lr"] == 0.003               # jobs/digits.yaml's value
+    p = hpc("submit", "--fn", "tests.plugins_for_tests:world_report", "--run-dir", tmp_path / "b", "--dry-run")
+    assert p.returncode == 0, show(p)
+    assert "# runs: tests.plugins_for_tests:world_report(), in every task, inside its hpc_train Run" \
+        in _header(p.stdout), p.stdout
+
+
+def test_dry_run_keeps_every_value_inside_its_comment(tmp_path):
+    """A newline in a value would end the comment and start a command: refused by the config; a
+    line or paragraph separator (not a line break to bash) is written as its escape all the same."""
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    p = hpc("submit", "--script", script, "--run-dir", tmp_path / "r", "--dry-run", "--", "x\nrm -rf ~")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "train.args" in p.stderr, show(p)
+    assert p.stdout == ""
+    p = hpc("submit", "--script", script, "--run-dir", tmp_path / "r", "--dry-run", "--", "x\u2028y", "\x85z")
+    assert p.returncode == 0, show(p)
+    head = _header(p.stdout)
+    assert all((not x or x.startswith("#")) and "\u2028" not in x and "\x85" not in x for x in head), head
+    assert any(x.startswith("# runs: python ") and "'x\\u2028y' '\\x85z'" in x for x in head), head
+
+
+def test_dry_run_says_a_real_submit_would_refuse_a_finished_or_busy_run_directory(tmp_path):
+    from ckpt_helpers import snapshot
+    rd = tmp_path / "run"
+    done = hpc("run", DIGITS, "--run-dir", rd, "--set", "train.max_steps=2", "--set", "data.batch_size=8", *QUIET)
+    assert done.returncode == 0, show(done)
+    before = snapshot(rd)
+    lock = (rd / ".lock").read_bytes()
+    p = hpc("submit", DIGITS, "--run-dir", rd, "--dry-run")
+    assert p.returncode == 2 and "#SBATCH" in p.stdout, show(p)
+    assert p.stderr.count("\n") == 1, show(p)
+    assert "a real submit would refuse this: " in p.stderr and "holds a finished run (result.json)" in p.stderr
+    assert snapshot(rd) == before and (rd / ".lock").read_bytes() == lock     # looked, changed nothing
+    assert hpc("submit", DIGITS, "--run-dir", rd, "--dry-run", "--resume", "none").returncode == 0
+
+    busy = tmp_path / "busy"
+    live = _start(tmp_path, "run", DIGITS, "--nproc", "2", "--run-dir", busy, "--set", "train.max_steps=1000000",
+                  *QUIET)
+    try:
+        _wait_for(lambda: _logged_step(busy) >= 1, 120, "the run to train")
+        p = hpc("submit", DIGITS, "--run-dir", busy, "--dry-run")
+        assert p.returncode == 2, show(p)
+        assert f"a real submit would refuse this: {busy} is in use by `python -m hpc_train run` (2 processes) " \
+               f"(pid {live.pid} " in p.stderr, show(p)
+        assert live.poll() is None
+    finally:
+        live.send_signal(signal.SIGTERM)
+        live.wait(timeout=120)
+
+
 # -- 4. true messages ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("command", ["run", "submit"])
