@@ -318,3 +318,29 @@ def test_a_function_runs_config_leaves_out_the_trainer_sections_and_the_default_
     assert config.from_dict(d).to_dict() == fn.to_dict()
     builtin = yaml.safe_load(config.load(DIGITS).to_yaml())
     assert {"data", "model", "optim"} <= set(builtin)
+
+
+# -- 7. hpc_train.submit(main, nodes=2).result() --------------------------------------------------
+
+def test_a_job_of_several_tasks_gives_rank_0s_result_and_still_every_tasks_results(tmp_path):
+    """The job class hpc_train's executor makes. No cluster here: each task's result file is
+    written as submitit's own task runner writes it when the callable returns
+    (submitit/core/submission.py); tests/slurm/test_first_hour_slurm.py runs it for real."""
+    from submitit.core import utils
+
+    from hpc_train.config import load
+    from hpc_train.login.submission import make_executor
+    ex = make_executor(load(None, ["job.nodes=2"]), tmp_path, dry_run=True)
+    job = ex.job_class(folder=ex.folder, job_id="4242", tasks=list(range(ex._num_tasks())))
+    assert job.num_tasks == 2
+    for task, value in ((0, {"rank": 0}), (1, {"rank": 1})):
+        paths = utils.JobPaths(ex.folder, job_id="4242", task_id=task)
+        paths.folder.mkdir(parents=True, exist_ok=True)
+        with utils.temporary_save_path(paths.result_pickle) as tmp:
+            utils.cloudpickle_dump(("success", value), tmp)
+    assert job.done() and job.job_id == "4242"
+    assert job.result() == {"rank": 0}
+    assert job.results() == [{"rank": 0}, {"rank": 1}]
+    again = pickle.loads(pickle.dumps(job))          # a Job is kept and reloaded between sessions
+    assert type(again) is type(job) and again.job_id == "4242" and again.result() == {"rank": 0}
+    assert job.task(1).result() == {"rank": 1}
