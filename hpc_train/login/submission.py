@@ -118,7 +118,8 @@ def dry_run_text(ex) -> str:
 def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, config: str | os.PathLike | None = None,
            overrides: list[str] = (), run_dir: str | os.PathLike | None = None, resume: str = "latest",
            **job: Any):
-    """Submit a config (object or YAML path) or any picklable callable; returns submitit's Job.
+    """Submit a config (object or YAML path) or any picklable callable; returns a submitit Job
+    (:class:`hpc_train.login.executor.Job`: ``result()`` is rank 0's return value).
 
     ``job`` keys are the config's job section (``nodes=2, partition="gpu", time="02:00:00"``).
     A callable runs in every task as ``target(*args)``, inside the task's Run: the process group
