@@ -257,8 +257,11 @@ def _refuse_stray(args: argparse.Namespace, extra: list[str], argv: list[str]) -
         extra = [args.config, *extra]
     if not extra:
         return
-    left = collections.Counter(extra)
-    stray = [a for a in argv if left[a] > 0 and not left.subtract([a])]   # in the order typed
+    left, stray = collections.Counter(extra), []
+    for a in argv:            # in the order typed (a first one may have been taken as the config)
+        if left[a] > 0:
+            left[a] -= 1
+            stray.append(a)
     shown = " ".join(shlex.quote(a) for a in stray)
     if len(shown) > 200 or not shown.isprintable():
         shown = show(stray)

@@ -150,7 +150,6 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
     if rd.is_dir():   # busy with a local run or a running job's rank 0: refused, nothing submitted
         rundir.RunDirLock(rd, "a submission").acquire().release()
         _refuse_active_job(rd)
-    from hpc_train.login.executor import header
     cfg.run_dir = str(rd)
     scheduler.check_resources(cfg.job)
     from hpc_train.ckpt import store as resume_mod
@@ -163,6 +162,7 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
     rd.mkdir(parents=True, exist_ok=True)
     from hpc_train import config as config_mod
     config_mod.write(cfg, rd)
+    from hpc_train.login.executor import header
     ex = make_executor(cfg, rd, header=header(cfg, rd, fn, args))
     entry = SlurmEntry(cfg.to_dict(), str(rd), fn, args, resume=plan.env_value())
     job_obj = ex.submit(entry)
