@@ -7,9 +7,12 @@ RUN_DIR ?= runs/digits-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: run test venv bench clean
 
+# The first install downloads torch and the rest (about 2 minutes): pip's own progress is shown,
+# so a newcomer sees it working instead of a silent terminal.
 $(STAMP): pyproject.toml
+	@echo "make: setting up $(VENV): installing hpc_train with torch, submitit and the test tools (about 2 minutes the first time)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install --disable-pip-version-check -e '.[test]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)

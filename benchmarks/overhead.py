@@ -106,6 +106,7 @@ def run_hpc_train(steps: int, workdir: Path, checkpoints: bool, tag: str) -> lis
             "seed": SEED, "checkpoint.enabled": str(checkpoints).lower(), "log.progress": "lines"}
     if checkpoints:
         sets["checkpoint.every_steps"] = 10
+        sets["checkpoint.every_seconds"] = 0      # exactly every 10 steps: no timed saves between them
     argv = [sys.executable, "-m", "hpc_train", "run", str(job), "--nproc", str(WORLD), "--run-dir", str(run_dir)]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]

@@ -109,7 +109,7 @@ def run_api(steps: int, work: Path, tag: str, every: int | None = 100) -> list[f
     r = subprocess.run([sys.executable, "-m", "hpc_train", "run", "--script", str(ROOT / "jobs" / "charlm.py"),
                         "--nproc", str(WORLD), "--run-dir", str(rd), "--set", f"seed={SEED}",
                         "--set", f"data.batch_size={BATCH}", "--set", "log.tensorboard=false",
-                        "--set", ckpt, "--", "--steps", str(steps)],
+                        "--set", ckpt, "--set", "checkpoint.every_seconds=0", "--", "--steps", str(steps)],
                        cwd=ROOT, env=_clean_env(), capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"hpc_train run failed ({r.returncode}):\n{r.stderr[-3000:]}")

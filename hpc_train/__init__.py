@@ -45,7 +45,8 @@ def init(config: Any = None, *, run_dir: Any = None, overrides: list[str] = ()) 
 
 def submit(target: Any, *args: Any, **kwargs: Any):
     """Submit a config (a :class:`hpc_train.config.Config` or a YAML path) or any picklable
-    callable to Slurm through submitit; returns submitit's ``Job``.
+    callable to Slurm through submitit; returns a submitit ``Job`` whose ``result()`` is rank 0's
+    return value (``results()``: every task's).
 
     ``hpc_train.submit("jobs/digits.yaml", nodes=2, time="01:00:00")`` trains that job;
     ``hpc_train.submit(fn, x, nodes=2, tasks_per_node=4)`` runs ``fn(x)`` on every task with the

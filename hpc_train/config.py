@@ -35,12 +35,13 @@ from hpc_train.rundir import write_atomic
 
 
 def _f(default: Any, *, choices: tuple[str, ...] | None = None, min: float | None = None,
-       max: float | None = None, importable: bool = False) -> Any:
+       max: float | None = None, importable: bool = False, doc: str = "") -> Any:
     """A dataclass field carrying its validation rules.
 
     ``importable`` means the value may also be ``package.module:function`` (a user plug-in).
+    ``doc`` is written beside the value wherever the config is shown (``config``, config.yaml).
     """
-    meta = {"choices": choices, "min": min, "max": max, "importable": importable}
+    meta = {"choices": choices, "min": min, "max": max, "importable": importable, "doc": doc}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -134,8 +135,12 @@ class TrainSection:
 @dataclass
 class CheckpointSection:
     enabled: bool = _f(True)
-    every_steps: int = _f(0, min=0)              # 0 = off
-    every_seconds: float = _f(0.0, min=0, max=_WEEK)   # 0 = off
+    every_steps: int = _f(0, min=0, doc="0 = off; the timer below still applies")
+    # On by default: a run killed without warning (a node lost, kill -9, an OOM) otherwise loses
+    # everything since its start, and a rerun starts from step 0.
+    every_seconds: float = _f(600.0, min=0, max=_WEEK,
+                              doc="a checkpoint every 10 minutes of training by default; a stop always "
+                                  "saves one; 0 = only at a stop")
     keep: int = _f(2, min=2)                     # the newest may still be being written
     keep_skipped: int = _f(3, min=0)             # moved-aside damaged/unfinished copies kept (never deleted sooner)
     async_save: bool = _f(True)
@@ -173,8 +178,24 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_written_dict(self) -> dict[str, Any]:
+        """The sections that apply, as ``config.yaml`` and ``config`` show them. A script or a
+        function (``train.script``, ``train.fn``) never reads the built-in trainer's sections
+        (:data:`TRAINER_SECTIONS`): of those only the keys set away from their defaults are kept.
+        :func:`load` gives whatever is left out its default again."""
+        d = self.to_dict()
+        if self.train.script or self.train.fn:
+            defaults = Config().to_dict()
+            for name in TRAINER_SECTIONS:
+                kept = {k: v for k, v in d[name].items() if v != defaults[name][k]}
+                if kept:
+                    d[name] = kept
+                else:
+                    del d[name]
+        return d
+
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return _with_docs(yaml.safe_dump(self.to_written_dict(), sort_keys=False))
 
     def digest(self) -> str:
         """A short hash of everything that changes what is trained (not where it runs)."""
@@ -186,6 +207,25 @@ class Config:
 
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}
+# Read only by the built-in trainer (hpc_train.trainer), never by a train.script or train.fn run.
+TRAINER_SECTIONS = ("data", "model", "optim")
+
+
+def _with_docs(text: str) -> str:
+    """A config's YAML with each documented field's ``doc`` as a comment at the end of its line.
+    Only a section's own ``  key: value`` lines are touched (not list items or wrapped text)."""
+    docs = {f"{name}.{f.name}": f.metadata["doc"] for name, sec in _SECTIONS.items()
+            for f in dataclasses.fields(sec.default_factory) if f.metadata.get("doc")}
+    out, section = [], ""
+    for line in text.splitlines():
+        if line[:1] not in ("", " "):
+            section = line.split(":", 1)[0]
+        elif line.startswith("  ") and line[2:3] not in (" ", "-") and not line.endswith(":"):
+            doc = docs.get(f"{section}.{line[2:].split(':', 1)[0]}")
+            if doc:
+                line = f"{line}  # {doc}"
+        out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def _fields(obj: Any) -> dict[str, dataclasses.Field]:

@@ -3,7 +3,8 @@
 ``RUN_DIR/`` holds ``config.yaml`` (the resolved config), ``logs/rank-R.log`` (and
 ``rank-R.error`` when a rank fails), ``metrics.jsonl``, ``tb/``, ``checkpoints/step-N/``,
 ``stopped.json`` (the last stop: step, signal, timeline), ``result.json`` (a finished run;
-it never trains again), ``requeue.json`` (budgets used) and ``job.json`` (the Slurm job).
+it never trains again), ``requeue.json`` (budgets used), ``job.json`` (the Slurm job) and
+``submission.sh`` (its batch script, as submitted).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 CONFIG = "config.yaml"          # the resolved config
+SUBMISSION = "submission.sh"    # the batch script of the last `submit`, as submitted
 RESULT = "result.json"          # a finished run: it never trains again
 STOPPED = "stopped.json"        # the last stop: step, signal, timeline (node.stops.record_stop)
 LOGS = "logs"                   # rank-R.log, rank-R.error, the heartbeats
@@ -144,13 +146,19 @@ def check_path(path: Path | str, what: str) -> None:
 
 
 def busy(run_dir: Path) -> str | None:
-    """Who holds the run directory's lock right now (a live run), or None."""
+    """Who holds the run directory's lock right now (a live run), or None. Only reads: a shared
+    lock taken and dropped on a read-only descriptor (status and dry runs leave the file as it is)."""
+    import fcntl
+    import os
     lock = RunDirLock(run_dir, "")
-    if not lock.path.exists():
-        return None
-    from hpc_train.errors import UsageError
     try:
-        lock.acquire().release()
+        fd = os.open(lock.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:      # no lock file (never locked), or not a plain file: nothing holds it
         return None
-    except UsageError:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
         return lock.holder()
+    finally:
+        os.close(fd)     # closing drops the shared lock
+    return None

@@ -213,8 +213,12 @@ class ResumePlan:
     finished: bool = False
     moved_aside: Path | None = None
 
-    def describe(self) -> str:
+    def describe(self, own_code: str = "") -> str:
+        """One line for the console. ``own_code`` names a script or function: hpc_train cannot see
+        what such code restores by itself, so without a checkpoint of hpc_train's it claims nothing."""
         if self.source is None:
+            if own_code:
+                return f"no hpc_train checkpoint to resume; {own_code} resumes from its own checkpoints, if it keeps any"
             return "starting fresh"
         return f"resuming from step {self.source.step} ({self.source.path})"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_train.errors import EXIT_USAGE, UsageError
+from hpc_train.errors import EXIT_USAGE, UsageError, show
 from hpc_train.login.args import load
 
 
@@ -34,7 +34,8 @@ def _add_config_args(p: argparse.ArgumentParser, targets: bool = False) -> None:
 def _add_resume_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default="latest", metavar="latest|none|PATH",
                    help="latest: continue from the newest complete checkpoint in the run directory (default); "
-                        "none: start from scratch (refused if checkpoints exist); PATH: a checkpoint directory")
+                        "none: start from scratch (checkpoints already there are moved aside to "
+                        "checkpoints.old-<time>/, never deleted); PATH: a checkpoint directory")
 
 
 def _add_resource_args(p: argparse.ArgumentParser) -> None:
@@ -211,11 +212,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             lock.acquire()
         path = config_mod.write(cfg, run_dir)
         print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
-              f"{plan.describe()}", file=sys.stderr)
+              f"{plan.describe(_own_code(cfg))}", file=sys.stderr)
         return launch.launch(args.nproc, path, run_dir, resume=plan.env_value(), port=port,
                              hang_s=cfg.dist.timeout_s)
     finally:
         lock.release()
+
+
+def _own_code(cfg) -> str:
+    """The user's code when it is not the built-in trainer ("" when it is)."""
+    return "the script" if cfg.train.script else "the function" if cfg.train.fn else ""
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -240,6 +246,34 @@ COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_
             "requeue-hook": _lazy("hpc_train.login.hook:cmd_requeue_hook")}
 
 
+def _refuse_stray(args: argparse.Namespace, extra: list[str], argv: list[str]) -> None:
+    """Arguments no option took: most often a script's own, typed without the `--` that separates
+    them from hpc_train's. argparse would say only "unrecognized arguments: 2"; this says where
+    they go. With --script, a first one may have been taken as the optional config file."""
+    import collections
+    import shlex
+    from pathlib import Path
+    script = getattr(args, "script", None)
+    if script and args.config is not None and not Path(args.config).exists():
+        extra = [args.config, *extra]
+    if not extra:
+        return
+    left, stray = collections.Counter(extra), []
+    for a in argv:            # in the order typed (a first one may have been taken as the config)
+        if left[a] > 0:
+            left[a] -= 1
+            stray.append(a)
+    shown = " ".join(shlex.quote(a) for a in stray)
+    if len(shown) > 200 or not shown.isprintable():
+        shown = show(stray)
+    where = f"python -m hpc_train {args.command or ''}".rstrip()
+    if script:
+        raise UsageError(f"{where}: unrecognized arguments: {shown}; a script's arguments go after `--`: "
+                         f"{where} ... --script {shlex.quote(script)} -- {shown}")
+    hint = " (a --script's own arguments go after `--`)" if args.command in ("run", "submit", "sbatch") else ""
+    raise UsageError(f"{where}: unrecognized arguments: {shown}{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -248,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         argv, rest = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     try:
-        args = ap.parse_args(argv)
+        args, extra = ap.parse_known_args(argv)
+        _refuse_stray(args, extra, argv)
         args.script_args = rest
         if not args.command:
             ap.print_help()

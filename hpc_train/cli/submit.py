@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_train.errors import UsageError
+from hpc_train.errors import EXIT_USAGE, UsageError
 from hpc_train.login import scheduler
-from hpc_train.login.submission import dry_run_text, make_executor, submit
+from hpc_train.login.submission import dry_run_text, make_executor, refusal, submit
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -26,10 +26,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
         from hpc_train.login import sweep
         return sweep.submit(args, cfg, rd)
     if args.dry_run:
+        from hpc_train.login.executor import header
         from hpc_train.rundir import check_path
         check_path(rd, "the run directory")
         scheduler.time_minutes(cfg.job.time)
-        print(dry_run_text(make_executor(cfg, rd, dry_run=True)), end="")
+        print(dry_run_text(make_executor(cfg, rd, dry_run=True, header=header(cfg, rd))), end="")
+        why = refusal(rd, args.resume)
+        if why is not None:   # the script is shown all the same; the exit code is the real submit's
+            print(f"hpc_train: error: a real submit would refuse this: {why}", file=sys.stderr)
+            return EXIT_USAGE
         return 0
     job = submit(cfg, run_dir=rd, resume=args.resume)
     print(f"submitted job {job.job_id}\n  run directory: {rd}\n  logs: {rd / 'logs'}/rank-*.log "

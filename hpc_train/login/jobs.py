@@ -67,6 +67,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         if not ids:
             print(f"  local run: {_local_state(run_dir)}")
+        elif not (run_dir / "result.json").exists():
+            print(f"  if it stops: {resume_point(run_dir)}")
         steps = [m for m in read_metrics(run_dir) if "loss" in m]
         if steps:
             last = steps[-1]
@@ -105,8 +107,37 @@ def _local_state(run_dir: Path) -> str:
         except ValueError:
             rec = {}
         at = f" at step {rec['steps']}" if rec.get("steps") is not None else ""
-        return f"stopped{at} by {rec.get('stop_signal', 'a signal')}; the same command resumes it"
-    return "not running (ended without a result: see logs/rank-*.error)"
+        return f"stopped{at} by {rec.get('stop_signal', 'a signal')}; {resume_point(run_dir)}"
+    return f"not running (ended without a result: see logs/rank-*.error); {resume_point(run_dir)}"
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def resume_point(run_dir: Path) -> str:
+    """What running the job again in ``run_dir`` starts from: the newest complete checkpoint (its
+    size record; resume also checks its checksums), or nothing. A script's own snapshots are
+    invisible to hpc_train, so for a script only its hpc_train checkpoints are named."""
+    import yaml
+
+    from hpc_train.ckpt import store
+    newest = store.newest_complete(run_dir)
+    if newest is not None:
+        saved = newest.record.get("time")
+        age = f" (checkpoint {_age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
+        return f"the same command resumes from step {newest.step}{age}"
+    try:
+        train = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("train") or {}
+        own_code = bool(train.get("script") or train.get("fn"))
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        own_code = False
+    if own_code:
+        return "no hpc_train checkpoint: the code resumes from its own checkpoints, if it keeps any"
+    return "no checkpoint: a rerun starts from step 0"
 
 
 def _log_path(run_dir: Path, rank: int) -> Path:

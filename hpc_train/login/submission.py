@@ -16,6 +16,7 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -75,15 +76,15 @@ class SlurmEntry:
         return result
 
 
-def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False):
-    import submitit
+def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str = ""):
+    """submitit's executor for this job (see :mod:`hpc_train.login.executor`); ``header``: comment
+    lines put at the top of its batch script (:func:`hpc_train.login.executor.header`)."""
+    from hpc_train.login import executor
 
     job = cfg.job
-    cls = submitit.SlurmExecutor
-    if dry_run:
-        # Printing the script needs no cluster; submitit's constructor refuses without srun.
-        cls = type("DryRunSlurmExecutor", (cls,), {"affinity": classmethod(lambda c: 1)})
-    ex = cls(folder=str(run_dir / "submitit"), max_num_timeout=10**6)
+    ex = (executor.DryRunExecutor if dry_run else executor.Executor)(folder=str(run_dir / "submitit"),
+                                                                      max_num_timeout=10**6)
+    ex.header = header
     params: dict[str, Any] = dict(
         job_name=job.name, nodes=job.nodes, ntasks_per_node=scheduler.tasks_per_node(job),
         cpus_per_task=job.cpus_per_task, time=scheduler.time_minutes(job.time), signal_delay_s=job.signal_lead,
@@ -117,7 +118,8 @@ def dry_run_text(ex) -> str:
 def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, config: str | os.PathLike | None = None,
            overrides: list[str] = (), run_dir: str | os.PathLike | None = None, resume: str = "latest",
            **job: Any):
-    """Submit a config (object or YAML path) or any picklable callable; returns submitit's Job.
+    """Submit a config (object or YAML path) or any picklable callable; returns a submitit Job
+    (:class:`hpc_train.login.executor.Job`: ``result()`` is rank 0's return value).
 
     ``job`` keys are the config's job section (``nodes=2, partition="gpu", time="02:00:00"``).
     A callable runs in every task as ``target(*args)``, inside the task's Run: the process group
@@ -161,11 +163,36 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
     rd.mkdir(parents=True, exist_ok=True)
     from hpc_train import config as config_mod
     config_mod.write(cfg, rd)
-    ex = make_executor(cfg, rd)
+    from hpc_train.login.executor import header
+    ex = make_executor(cfg, rd, header=header(cfg, rd, fn, args))
     entry = SlurmEntry(cfg.to_dict(), str(rd), fn, args, resume=plan.env_value())
     job_obj = ex.submit(entry)
     scheduler.record_job(rd, str(job_obj.job_id), "submitit", folder=str(rd / "submitit"))
+    # What was submitted, beside the run it made (submitit keeps its copy as submitit/<id>_submission.sh).
+    rundir.write_atomic(rd / rundir.SUBMISSION, dry_run_text(ex))
     return job_obj
+
+
+def refusal(rd: Path, resume: str = "latest") -> str | None:
+    """Why :func:`submit` would refuse ``rd`` now (a run or job using it, a finished run), else
+    None. Changes nothing: for a dry run. A job's state is asked of squeue only where there is one."""
+    from hpc_train import rundir
+    from hpc_train.ckpt import store
+    if rd.exists() and not rd.is_dir():
+        return f"the run directory {rd} is a file, not a directory"
+    if not rd.is_dir():
+        return None
+    holder = rundir.busy(rd)
+    if holder:
+        return f"{rd} is in use by {holder}; wait for it to end, stop it, or use another --run-dir"
+    if scheduler.job_ids(rd) and shutil.which("squeue"):
+        try:
+            _refuse_active_job(rd)
+        except UsageError as e:
+            return str(e)
+    if resume != "none" and store.is_finished(rd):
+        return f"{rd} holds a finished run (result.json); use another --run-dir to train again"
+    return None
 
 
 def _refuse_active_job(rd: Path) -> None:
