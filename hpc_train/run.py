@@ -162,7 +162,7 @@ class Run:
 
     def _checkpointer(self):
         if self._ckpt is None and self.config.checkpoint.enabled:
-            from hpc_train.ckpt.checkpointer import Checkpointer
+            from hpc_train.ckpt.save import Checkpointer
             self._ckpt = Checkpointer(self.config.checkpoint, self.run_dir, self.rank, self.world_size,
                                       self.checkpoint_record, timeout_s=self.config.dist.timeout_s)
             self._ckpt.resumed_from = self._resumed_from
@@ -172,13 +172,12 @@ class Run:
         """Load the checkpoint chosen for this run into ``state`` in place (plain values are
         replaced in the dict); returns the restored step, 0 on a fresh run.
 
-        Rank 0 chooses (sizes and checksums: it reads the candidate whole) and the other ranks
-        take its choice, checking only that the directory is complete by sizes: every rank
-        re-reading every file would multiply the I/O by the world size. If the chosen checkpoint
-        fails to load on any rank, every rank moves on together to the next older one that
-        rank 0 verifies, until one loads or none is left."""
+        Rank 0 chooses (complete by sizes) and the other ranks take its choice; each rank checks
+        the checksums of what it loads as it reads it. If the chosen checkpoint fails to load
+        (or to verify) on any rank, every rank moves on together to the next older complete
+        one, until one loads or none is left."""
         from hpc_train import goodput
-        from hpc_train.ckpt import checkpointer as checkpoint
+        from hpc_train.ckpt import load as checkpoint
         from hpc_train.ckpt import store as resume
         kinds = self._kinds(state)
         self.stop.listening = True   # code that restores will call step_end: a stop waits for it
@@ -189,7 +188,9 @@ class Run:
         plan_error: Exception | None = None
         if self.is_main:
             try:
-                source = resume.plan(self.run_dir, "latest" if spec == "none" else spec, None, warn=log.warning).source
+                # Sizes only: each rank checks the checksums of what it loads as it reads it.
+                source = resume.plan(self.run_dir, "latest" if spec == "none" else spec, None, warn=log.warning,
+                                     verify=False).source
             except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
                 plan_error = e
         source = self._agree_on(source, plan_error)
@@ -244,7 +245,7 @@ class Run:
         the directory is complete by sizes, failing together if any rank cannot see it. ``error``:
         rank 0 could not choose; raised there, and every other rank stops too (rather than wait
         in the next collective)."""
-        from hpc_train.ckpt import checkpointer as checkpoint
+        from hpc_train.ckpt import load as checkpoint
         from hpc_train.ckpt import store as resume
         if not self._multi:
             if error is not None:
