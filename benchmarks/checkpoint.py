@@ -1,7 +1,7 @@
 """Checkpoint benchmark (issue 3): what a save costs, against what the disk can do.
 
 One run, 2 gloo ranks (torch.multiprocessing), the real hpc_train Trainer's state holding an MLP whose
-model + Adam state is >= 200 MB, saved through the real ``hpc_train.ckpt.checkpointer.Checkpointer``:
+model + Adam state is >= 200 MB, saved through the real ``hpc_train.ckpt.save.Checkpointer``:
 
 * **sync save**: ``Checkpointer.save(blocking=True)``: rank files, DCP shards from both ranks
   (fsync'd by DCP), ``.metadata``, then rank 0's commit record (fsync'd, directory fsync'd).
@@ -12,7 +12,7 @@ model + Adam state is >= 200 MB, saved through the real ``hpc_train.ckpt.checkpo
 * **disk write**: the same number of bytes as the DCP checkpoint, written sequentially in 16 MiB
   blocks into the same directory, then fsync'd: by 1, 2 and 4 concurrent writers (DCP here uses
   2 ranks x 2 writer threads).
-* **load**: ``hpc_train.ckpt.checkpointer.load`` on both ranks (what a resume does), with the checkpoint's
+* **load**: ``hpc_train.ckpt.load.load`` on both ranks (what a resume does), with the checkpoint's
   pages evicted from the page cache first (``posix_fadvise(DONTNEED)``, our files only) and warm.
 
 Each is repeated (``--repeats``) and the medians are printed, with the ratios the issue sets as
@@ -108,7 +108,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from hpc_train import config
-    from hpc_train.ckpt import checkpointer as checkpoint
+    from hpc_train.ckpt import save as checkpoint
+    from hpc_train.ckpt.common import dir_for
+    from hpc_train.ckpt.load import load as ckpt_load
     from hpc_train.node import group as distributed
     from hpc_train.node import environment
     from hpc_train.run import Run
@@ -179,7 +181,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         step += 1
         state["step"] = step
         t = timed(lambda: ck.save(state, step, blocking=True))
-        sync_dir = checkpoint._dir_for(run_dir, step)
+        sync_dir = dir_for(run_dir, step)
         ckpt_bytes = _dir_bytes(sync_dir)
         # What the checksums cost: the commit record rewritten by rank 0, with and without them
         # (the files are in the page cache right after a save, as at a real commit).
@@ -187,8 +189,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         record = json.loads((sync_dir / "commit.json").read_text())
         t_crc = timed(lambda: rank == 0 and resume.write_commit(sync_dir, record, checksums=True))
         t_plain = timed(lambda: rank == 0 and resume.write_commit(sync_dir, record, checksums=False))
-        if rank == 0:
-            resume.write_commit(sync_dir, record)       # leave it whole for the load rows
+        if rank == 0:   # leave it whole for the load rows: the save's own record, with its item checksums
+            resume.write_commit(sync_dir, record, sums=record["checksums"])
 
         step += 1
         state["step"] = step
@@ -248,11 +250,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
         if rank == 0:
             _evict(sync_dir)
-        t_cold = timed(lambda: checkpoint.load(state, sync_dir, rank, world))
-        t_warm = timed(lambda: checkpoint.load(state, sync_dir, rank, world))
+        t_cold = timed(lambda: ckpt_load(state, sync_dir, rank, world))
+        t_warm = timed(lambda: ckpt_load(state, sync_dir, rank, world))
         if rank == 0:                                   # keep the disk tidy between rounds
             shutil.rmtree(sync_dir)
-            shutil.rmtree(checkpoint._dir_for(run_dir, step))
+            shutil.rmtree(dir_for(run_dir, step))
         # Interleaved: a plain step, a save overlapping the next step, a plain step, a save copied first.
         t_step = [timed(train_step) for _ in range(2)]
         t_ov = save_then_step(ck_over)

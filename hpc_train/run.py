@@ -170,7 +170,7 @@ class Run:
 
     def _checkpointer(self):
         if self._ckpt is None and self.config.checkpoint.enabled:
-            from hpc_train.ckpt.checkpointer import Checkpointer
+            from hpc_train.ckpt.save import Checkpointer
             self._ckpt = Checkpointer(self.config.checkpoint, self.run_dir, self.rank, self.world_size,
                                       self.checkpoint_record, timeout_s=self.config.dist.timeout_s)
             self._ckpt.resumed_from = self._resumed_from

@@ -169,7 +169,7 @@ def load_full(path: Path) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from hpc_train.ckpt.checkpointer import SafePlanner, SafeReader
+    from hpc_train.ckpt.safe import SafePlanner, SafeReader
     unset = object()
     meta = SafeReader(str(path)).read_metadata()
     state: dict[str, Any] = {}

@@ -53,7 +53,7 @@ def test_commit_records_crc32_of_every_file(base):
     assert [i.step for i in scanned] == [6, 4, 2]
     for info in scanned:
         sums = info.record["checksums"]
-        assert sums["algorithm"] == "crc32" and set(sums["files"]) == set(info.record["files"])
+        assert sums["algorithm"] == "crc32c" and set(sums["files"]) == set(info.record["files"])
         assert {".metadata", "app.pt", "rank-0.pt", "rank-1.pt"} <= set(sums["files"])
         assert resume.verify_checksums(info) is None
 
@@ -76,7 +76,7 @@ def test_a_bit_flip_in_any_file_is_detected(copy):
     v = hpc("ckpt", "verify", rd)
     assert v.returncode == 1, show(v)
     assert v.stdout.splitlines() == ["step-6: ok", v.stdout.splitlines()[1], "step-2: ok"], show(v)
-    assert re.fullmatch(r"step-4: BAD: __0_0.distcp fails its crc32 check \(recorded \w{8}, now \w{8}\)",
+    assert re.fullmatch(r"step-4: BAD: __0_0.distcp fails its crc32c check \(recorded \w{8}, now \w{8}\)",
                         v.stdout.splitlines()[1]), show(v)
 
 

@@ -277,14 +277,14 @@ def test_a_full_disk_is_named_in_the_files_torch_writes(small_disk, tmp_path):
     per-rank files of a save and `ckpt export` say "No space left on device" instead, and export
     leaves no partial file behind."""
     import torch
-    from hpc_train.ckpt import checkpointer as checkpoint
+    from hpc_train.ckpt import crc
     full, _ = small_disk
     big = {"w": torch.zeros(1 << 18)}                                   # 1 MiB > the 700 KiB disk
     with pytest.raises(RuntimeError, match="enforce fail|unexpected pos"):   # control: torch alone
         torch.save(big, full / "plain.pt")
     (full / "plain.pt").unlink()
     with pytest.raises(OSError) as e:
-        checkpoint._save_pt(big, full / "rank-0.pt")
+        crc.save_pt(big, full / "rank-0.pt")
     assert "No space left on device" in str(e.value)
     (full / "rank-0.pt").unlink()            # partial; in a save it lies in an uncommitted step dir
 

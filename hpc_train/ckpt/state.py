@@ -14,8 +14,16 @@ Each value is one of four kinds, and the kind decides where it is stored:
     anything else with ``state_dict()``/``load_state_dict()`` (schedulers, ``GradScaler``,
     the user's own objects): assumed the same on every rank; rank 0's copy goes to ``app.pt``.
 ``plain``
-    numbers, strings, bools, ``None``, tensors, and lists/tuples/dicts of them: also in
-    ``app.pt``; on restore the dict entry is *replaced* (an ``int`` cannot be updated in place).
+    numbers, strings, bools, ``None``, tensors, and lists/tuples/dicts of them. They may differ
+    from rank to rank: each rank's own are stored in its ``rank-R.pt`` (rank 0's also in
+    ``app.pt``), and on restore the dict entry is *replaced* (an ``int`` cannot be updated in
+    place). At the same world size every rank gets back its own value. At another world size
+    every rank gets rank 0's: exact for a value that was the same on every rank (``step``, an
+    epoch, an agreed metric); a value that differed across ranks when saved (``commit.json``
+    lists it under ``differs_by_rank``) is named in a warning.
+
+Keys are strings (they name files' entries and ``commit.json`` fields); any other key is
+refused by :func:`kinds`, so by ``restore()``, before anything trains.
 
 Files other than DCP's are read with ``torch.load(weights_only=True)``, which never runs
 arbitrary code; that is why RNG states are converted to plain types here.
@@ -78,7 +86,11 @@ def kinds(state: Mapping[str, Any]) -> dict[str, str]:
                          "and increase it by one after every optimizer step")
     if isinstance(state["step"], bool) or not isinstance(state["step"], int):
         raise UsageError(f"state['step'] must be an int (optimizer steps done), got {type(state['step']).__name__}")
-    return {str(k): kind_of(str(k), v) for k, v in state.items()}
+    for k in state:
+        if not isinstance(k, str):
+            raise UsageError(f"state key {k!r} is not a string ({type(k).__name__}); name every state entry with a "
+                             f"string, e.g. state[{str(k)!r}]")
+    return {k: kind_of(k, v) for k, v in state.items()}
 
 
 # -- per-rank RNG ----------------------------------------------------------------------------

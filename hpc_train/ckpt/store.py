@@ -6,13 +6,11 @@ all by hpc_train. A step directory is *complete* only when ``commit.json`` parse
 expected fields with the expected types, and every file it lists exists with the recorded size
 (cheap: a stat per file). Anything else is skipped with a warning naming it.
 
-``commit.json`` also records a CRC-32 per file (``checksums``). Sizes cannot see a same-size
-bit flip; the checksums can, at the cost of reading every byte, so they are checked where a
-checkpoint is about to be trusted: by :func:`plan` when choosing what to resume (the launcher,
-and rank 0 in the workers) and by ``ckpt verify``. CRC-32 rather than a cryptographic hash: it
-detects every single-bit error and burst up to 32 bits, and zlib's runs at 1.2-1.7 GB/s here
-against 0.5-0.6 GB/s for blake2b (200 MiB, page cache); it guards against rot, not against
-someone who edits commit.json too (safe loading in hpc_train.ckpt.checkpointer covers that).
+``commit.json`` also records checksums (``checksums``; see :mod:`hpc_train.ckpt.checksum`).
+Sizes cannot see a same-size bit flip; the checksums can, at the cost of reading every byte.
+A resume checks them as it loads (each rank, the bytes it reads); the launcher's :func:`plan`
+and ``ckpt verify`` read whole files up front. Only regular files count: a file of a step
+directory that is a symlink, a FIFO or a device makes the checkpoint incomplete.
 
 Resume policy (``--resume``):
 
@@ -35,17 +33,17 @@ import json
 import os
 import re
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_train.ckpt import checksum
+from hpc_train.ckpt.checksum import file_checksum  # noqa: F401 - part of this module's API
 from hpc_train.errors import UsageError
 
 COMMIT = "commit.json"
 METADATA = ".metadata"
-CHECKSUM = "crc32"          # the algorithm write_commit records; see the module docstring
-_CHUNK = 4 << 20            # read 4 MiB at a time: whole shards would double peak memory
+CHECKSUM = checksum.CRC32C  # the algorithm write_commit records; see hpc_train.ckpt.checksum
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -91,13 +89,11 @@ def _record_problem(record: Any, step: int) -> str | None:
         return f"world_size is {record['world_size']!r}"
     if "state" in record and not isinstance(record["state"], dict):
         return "state is not a mapping"
-    sums = record.get("checksums")
-    if sums is not None:       # absent: a checkpoint from before checksums; sizes only
-        if not isinstance(sums, dict) or sums.get("algorithm") != CHECKSUM or \
-                not isinstance(sums.get("files"), dict):
-            return f"checksums is not a {CHECKSUM} record"
-        if set(sums["files"]) != set(files) or not all(isinstance(v, str) for v in sums["files"].values()):
-            return "checksums do not cover exactly the files listed"
+    differs = record.get("differs_by_rank", [])
+    if not isinstance(differs, list) or not all(isinstance(k, str) for k in differs):
+        return "differs_by_rank is not a list of state keys"
+    if "checksums" in record:    # absent: a checkpoint from before checksums; sizes only
+        return checksum.record_problem(record["checksums"], files)
     return None
 
 
@@ -125,20 +121,16 @@ def inspect(path: Path) -> CkptInfo:
         return CkptInfo(step, path, False, "commit record lists no DCP .metadata", record)
     for name, size in files.items():
         try:
-            actual = (path / name).stat().st_size
+            # lstat: a symlink is judged as itself, never followed (see checksum.open_regular).
+            actual = os.lstat(path / name).st_size
+            odd = checksum.regular_problem(path / name)
         except OSError:    # missing, or removed under us (a run pruning while `ckpt list` reads)
             return CkptInfo(step, path, False, f"{name} is missing", record)
+        if odd is not None:
+            return CkptInfo(step, path, False, f"{name} {odd}", record)
         if actual != size:
             return CkptInfo(step, path, False, f"{name} has {actual} bytes, the record says {size}", record)
     return CkptInfo(step, path, True, None, record)
-
-
-def file_checksum(path: Path) -> str:
-    c = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            c = zlib.crc32(chunk, c)
-    return f"{c:08x}"
 
 
 def verify_checksums(info: CkptInfo) -> str | None:
@@ -149,13 +141,14 @@ def verify_checksums(info: CkptInfo) -> str | None:
     sums = info.record.get("checksums")
     if sums is None:
         return None
+    algorithm = sums["algorithm"]
     for name, want in sums["files"].items():
         try:
-            got = file_checksum(info.path / name)
+            got = file_checksum(info.path / name, algorithm)
         except OSError as e:
             return f"{name} cannot be read ({e.strerror or type(e).__name__})"
         if got != want:
-            return f"{name} fails its {CHECKSUM} check (recorded {want}, now {got})"
+            return f"{name} fails its {algorithm} check (recorded {want}, now {got})"
     return None
 
 
@@ -183,11 +176,11 @@ def newest_complete(run_dir: Path, warn=None, verify: bool = False, below: int |
     return None
 
 
-def older_candidate(failed: CkptInfo, warn=None) -> CkptInfo | None:
-    """After ``failed`` would not load: the next older checkpoint beside it that is complete and
-    verifies, else None."""
+def older_candidate(failed: CkptInfo, warn=None, verify: bool = False) -> CkptInfo | None:
+    """After ``failed`` would not load: the next older checkpoint beside it that is complete
+    (``verify``: and whose checksums match; the loader checks what it reads anyway), else None."""
     root = failed.path.parent
-    return newest_complete(root.parent, warn, verify=True, below=failed.step) if root.name == "checkpoints" else None
+    return newest_complete(root.parent, warn, verify=verify, below=failed.step) if root.name == "checkpoints" else None
 
 
 _ASIDE_RE = re.compile(r"^step-(\d+)\.skipped-(\d+)(?:-(\d+))?$")
@@ -297,15 +290,23 @@ def check_compatible(info: CkptInfo, signature: dict[str, Any] | None) -> None:
                          f"{signature}; the weights would not fit. Use the original config, or a new --run-dir")
 
 
-def write_commit(path: Path, record: dict[str, Any], checksums: bool = True) -> None:
+def write_commit(path: Path, record: dict[str, Any], sums: dict[str, Any] | None = None,
+                 checksums: bool = True, warn=None) -> None:
     """Write ``commit.json`` last, atomically and durably: tmp, fsync, rename, fsync the directory.
-    ``checksums``: read every file back for its CRC-32 (``False`` only to measure their cost)."""
+    ``sums``: the checksums computed as the files were written (``{"files": {name: crc},
+    "items": {name: rows}}``, CRC32C); a file they do not cover is read back, with a warning.
+    ``checksums``: ``False`` records none (only to measure their cost)."""
     record = dict(record)
     names = [p for p in sorted(path.iterdir()) if p.is_file() and p.name != COMMIT and not p.name.endswith(".tmp")]
     record["files"] = {p.name: p.stat().st_size for p in names}
     if checksums:
-        # Right after the save the files are in the page cache: this costs CPU, rarely disk.
-        record["checksums"] = {"algorithm": CHECKSUM, "files": {p.name: file_checksum(p) for p in names}}
+        given = dict((sums or {}).get("files", {}))
+        unsummed = [p.name for p in names if p.name not in given]
+        if unsummed and sums is not None and warn:
+            warn(f"{path}: no checksum was computed while writing {', '.join(unsummed)}; reading it back")
+        files = {p.name: given[p.name] if p.name in given else file_checksum(p) for p in names}
+        items = {n: rows for n, rows in (sums or {}).get("items", {}).items() if n in files}
+        record["checksums"] = {"algorithm": CHECKSUM, "files": files, **({"items": items} if items else {})}
     tmp = path / (COMMIT + ".tmp")
     with open(tmp, "w") as f:
         json.dump(record, f, indent=2)

@@ -63,7 +63,7 @@ def verify_one(info: resume.CkptInfo) -> str | None:
     file matches its recorded checksum."""
     if not info.complete:
         return info.problem
-    from hpc_train.ckpt.checkpointer import SafeReader
+    from hpc_train.ckpt.safe import SafeReader
     try:
         meta = SafeReader(str(info.path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any failure here means the metadata is unusable
@@ -125,7 +125,7 @@ def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False) -
             raise UsageError(f"ckpt export: no checkpoint at step {step} (have: {steps or 'none'})")
         if not info.complete:
             raise UsageError(f"ckpt export: step {step} is not complete: {info.problem}")
-    from hpc_train.ckpt.checkpointer import CheckpointError, export
+    from hpc_train.ckpt.export import CheckpointError, export
     try:
         n = export(info.path, Path(out))
     except CheckpointError as e:   # e.g. unsafe or unreadable .metadata: one line, exit 2

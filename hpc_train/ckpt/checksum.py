@@ -1,0 +1,159 @@
+"""Checksums of a checkpoint's files, and reading only regular files (torch-free).
+
+``commit.json`` records, under ``checksums``, the algorithm, one checksum per file and, for
+DCP's shard files, one per storage item (``items``: ``[offset, length, checksum]``). They are
+computed by whoever writes the bytes, as they are written (:mod:`hpc_train.ckpt.crc`), never by
+reading the files back. Readers check what they read against them (:class:`Checks`): a resume
+checks each item it loads, ``ckpt verify`` and ``ckpt export`` read whole files up front.
+
+CRC32C (``google_crc32c``: the CPU's CRC instruction) is what new checkpoints record; CRC-32
+(``zlib``) is what they recorded before, and records that name it still verify. A CRC detects
+every single-bit error and every burst up to 32 bits; it guards against rot, not against someone
+who edits ``commit.json`` too (safe loading in :mod:`hpc_train.ckpt.safe` covers that).
+
+Every read goes through :func:`open_regular`: a checkpoint file that is a symlink, a FIFO or a
+device is refused instead of read (a FIFO or ``/dev/zero`` would never end).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import zlib
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from hpc_train.errors import CheckpointError
+
+CRC32C = "crc32c"          # what new checkpoints record
+CRC32 = "crc32"            # what checkpoints recorded before; still verified
+ALGORITHMS = (CRC32C, CRC32)
+CHUNK = 4 << 20            # read 4 MiB at a time: whole shards would double peak memory
+
+
+def extend(crc: int, data: Any, algorithm: str = CRC32C) -> int:
+    """``crc`` extended by ``data`` (bytes, or any buffer)."""
+    if algorithm == CRC32:
+        return zlib.crc32(data, crc)
+    import google_crc32c
+    # The binding takes only ``bytes`` (its "y#" argument refuses memoryviews and bytearrays).
+    return google_crc32c.extend(crc, data if isinstance(data, bytes) else bytes(data))
+
+
+def hexdigest(crc: int) -> str:
+    return f"{crc:08x}"
+
+
+class NotRegular(OSError):
+    """A checkpoint file that is not a regular file (symlink, FIFO, device, directory)."""
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file, never through a symlink.
+    ``O_NONBLOCK``: opening a FIFO must not wait for a writer; regular files ignore it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:   # the last component is a symlink
+            raise NotRegular(e.errno, "is a symlink, not a regular file") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegular(0, f"is {_kind(mode)}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def regular_problem(path: Path) -> str | None:
+    """Why ``path`` (not followed if a symlink) is not a regular file, else None. Raises OSError
+    if it cannot be seen at all."""
+    mode = os.lstat(path).st_mode
+    return None if stat.S_ISREG(mode) else f"is {_kind(mode)}, not a regular file"
+
+
+def file_checksum(path: Path, algorithm: str = CRC32C) -> str:
+    c = 0
+    with open_regular(path) as f:
+        while chunk := f.read(CHUNK):
+            c = extend(c, chunk, algorithm)
+    return hexdigest(c)
+
+
+def record_problem(sums: Any, files: dict[str, Any]) -> str | None:
+    """What is wrong with a commit record's ``checksums`` field, if anything."""
+    if not isinstance(sums, dict) or sums.get("algorithm") not in ALGORITHMS or not isinstance(sums.get("files"), dict):
+        return f"checksums is not a {' or '.join(ALGORITHMS)} record"
+    if set(sums["files"]) != set(files) or not all(isinstance(v, str) for v in sums["files"].values()):
+        return "checksums do not cover exactly the files listed"
+    items = sums.get("items", {})
+    if not isinstance(items, dict) or not set(items) <= set(files):
+        return "checksums has items for files it does not list"
+    for name, rows in items.items():
+        ok = isinstance(rows, list) and all(
+            isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r[:2])
+            and isinstance(r[2], str) for r in rows)
+        if not ok:
+            return f"the item checksums of {name} are not [offset, length, checksum] rows"
+    return None
+
+
+class Checks:
+    """What one reader checks the bytes it reads against: a commit record's checksums. A record
+    without them (saved before they existed) checks nothing; sizes were checked already."""
+
+    def __init__(self, path: Path, record: dict[str, Any]) -> None:
+        sums = record.get("checksums") or {}
+        self.path = Path(path)
+        self.algorithm: str = sums.get("algorithm", CRC32C)
+        self.files: dict[str, str] = dict(sums.get("files", {}))
+        self.items: dict[str, dict[tuple[int, int], str]] = {
+            name: {(r[0], r[1]): r[2] for r in rows} for name, rows in sums.get("items", {}).items()}
+        self._whole_done: set[str] = set()
+
+    def _fail(self, name: str, what: str, want: str, got: str) -> None:
+        raise CheckpointError(f"{what} fails its {self.algorithm} check (recorded {want}, read {got})")
+
+    def data(self, name: str, data: bytes) -> None:
+        """A whole file, read into memory."""
+        want = self.files.get(name)
+        if want is not None and (got := hexdigest(extend(0, data, self.algorithm))) != want:
+            self._fail(name, name, want, got)
+
+    def item(self, name: str, f: BinaryIO, offset: int, length: int) -> bytes | None:
+        """One storage item of a shard file, read from ``f`` and checked; None where the record
+        has no checksum for that item (the whole file is then checked, once per reader)."""
+        want = self.items.get(name, {}).get((offset, length))
+        if want is None:
+            self._whole(name, f)
+            return None
+        f.seek(offset)
+        data = f.read(length)
+        got = hexdigest(extend(0, data, self.algorithm))
+        if len(data) != length or got != want:
+            self._fail(name, f"{name} (bytes {offset}-{offset + length})", want, got)
+        return data
+
+    def _whole(self, name: str, f: BinaryIO) -> None:
+        want = self.files.get(name)
+        if want is None or name in self._whole_done:
+            return
+        f.seek(0)
+        c = 0
+        while chunk := f.read(CHUNK):
+            c = extend(c, chunk, self.algorithm)
+        if (got := hexdigest(c)) != want:
+            self._fail(name, name, want, got)
+        self._whole_done.add(name)

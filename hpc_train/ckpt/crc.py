@@ -1,0 +1,160 @@
+"""Checksums computed as a checkpoint is written, by the rank and the thread that write the bytes.
+
+:class:`ChecksummingWriter` is DCP's ``FileSystemWriter`` with its file system's write streams
+wrapped: every buffer DCP writes (each tensor's ``torch.save`` bytes, ``.metadata``'s pickle)
+extends the file's CRC32C and the current item's. DCP asks a stream for its position before
+and after each item (``_write_item``: ``offset = stream.tell()``, ``length = tell() - offset``),
+so the stream cuts an item's checksum at each ``tell()``; an item whose range is not such a
+span (a future DCP that writes otherwise) gets no item checksum, and readers then check its
+whole file instead. Each rank's checksums, and those of the files hpc_train writes itself
+(:func:`save_pt`), ride to rank 0 as one extra write result, which DCP already gathers there
+for ``finish()``; ``finish`` takes them out before DCP's ``.metadata`` is written, so
+``.metadata`` stays exactly DCP's.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from hpc_train.ckpt.checksum import CRC32C, extend, hexdigest
+
+_SUMS = "__hpc_train_checksums__"   # the fqn of the write result that carries a rank's checksums
+_METADATA_TMP = ".metadata.tmp"     # what DCP's finish() writes, then renames to .metadata
+
+
+class _Summing:
+    """A binary file being written, summed as it goes: the whole file, and each span between
+    two ``tell()`` calls."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.pos, self.crc = raw, 0, 0
+        self._start, self._span = 0, 0
+        self.spans: dict[tuple[int, int], int] = {}
+
+    def write(self, b: Any) -> int:
+        data = b if isinstance(b, bytes) else bytes(b)   # the binding's one accepted type (see checksum.extend)
+        n = self.raw.write(data)
+        if n != len(data):
+            raise OSError(f"short write: {n} of {len(data)} bytes")
+        self.crc = extend(self.crc, data)
+        self._span = extend(self._span, data)
+        self.pos += n
+        return n
+
+    def cut(self) -> None:
+        if self.pos > self._start:
+            self.spans[(self._start, self.pos)] = self._span
+        self._start, self._span = self.pos, 0
+
+    def tell(self) -> int:
+        self.cut()
+        return self.pos
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+class _SummingFS(FileSystem):
+    def __init__(self, sink: dict[str, _Summing]) -> None:
+        super().__init__()
+        self.sink = sink
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as s:
+                yield s
+            return
+        with super().create_stream(path, mode) as raw:
+            s = _Summing(raw)
+            yield s
+            s.cut()
+            self.sink[Path(path).name] = s     # each file is written by one thread
+
+
+class ChecksummingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, checksumming as it writes (see the module docstring). ``own``: this
+    rank's checksums of files it wrote itself (name -> CRC32C), sent to rank 0 with DCP's;
+    ``facts``: anything else small and picklable to send to rank 0 along. After the save, on
+    rank 0: ``checksums`` (``{"files", "items"}``, for :func:`hpc_train.ckpt.store.write_commit`)
+    and ``facts`` (one per rank, in rank order)."""
+
+    def __init__(self, path: str, *, own: dict[str, str] | None = None, facts: Any = None, **kw: Any) -> None:
+        super().__init__(path, **kw)
+        self._sink: dict[str, _Summing] = {}
+        self.fs = _SummingFS(self._sink)
+        self._own, self._facts = dict(own or {}), facts
+        self.checksums: dict[str, Any] | None = None
+        self.facts: list[Any] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
+        results = super().write_data(plan, planner).wait()   # DCP's writer returns it done
+        files = {**self._own, **{name: hexdigest(s.crc) for name, s in self._sink.items() if name != _METADATA_TMP}}
+        items: dict[str, list[list[Any]]] = {}
+        for wr in results:
+            info = wr.storage_data
+            s = self._sink.get(str(info.relative_path))
+            crc = s.spans.get((info.offset, info.offset + info.length)) if s is not None else None
+            if crc is not None:
+                items.setdefault(str(info.relative_path), []).append([info.offset, info.length, hexdigest(crc)])
+        mine = {"rank": self.rank or 0, "files": files, "items": items, "facts": self._facts}
+        out: Future[list[WriteResult]] = Future()
+        out.set_result([*results, WriteResult(index=MetadataIndex(_SUMS), size_in_bytes=0, storage_data=mine)])
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        ranks = [wr.storage_data for rs in results for wr in rs if wr.index.fqn == _SUMS]
+        super().finish(metadata, [[wr for wr in rs if wr.index.fqn != _SUMS] for rs in results])
+        files: dict[str, str] = {}
+        items: dict[str, list[list[Any]]] = {}
+        for r in sorted(ranks, key=lambda r: r["rank"]):
+            files.update(r["files"])
+            items.update(r["items"])
+        meta = self._sink.get(_METADATA_TMP)
+        if meta is not None:
+            files[".metadata"] = hexdigest(meta.crc)
+        self.checksums = {"algorithm": CRC32C, "files": files, "items": items}
+        self.facts = [r["facts"] for r in sorted(ranks, key=lambda r: r["rank"])]
+
+
+def save_pt(obj: Any, path: Path) -> str:
+    """``torch.save`` into memory, then one plain write; returns the bytes' CRC32C. torch's own
+    file writer reports a full disk as "[enforce fail at inline_container.cc] unexpected pos
+    ..."; Python's write raises OSError ENOSPC, which the error line names. Only for the small
+    files (a rank's RNG state, the app state): the buffer is a second copy."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    with open(path, "wb") as f:
+        f.write(data)
+    return hexdigest(extend(0, data))
+
+
+def digest(obj: Any) -> str:
+    """A fingerprint of a plain value, to tell whether ranks hold the same one."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return hexdigest(extend(0, buf.getvalue()))

@@ -1,0 +1,110 @@
+"""Loading a checkpoint into a mapping of state objects (resharding to another world size).
+
+Each rank checks the checksums of what it reads as it reads it (:mod:`hpc_train.ckpt.safe`), so
+nothing is read twice and no rank reads what it does not load. A mismatch raises
+:class:`CheckpointError`, like any failed load: :meth:`hpc_train.Run.restore` then moves every
+rank on to the next older checkpoint together.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+from hpc_train.ckpt import state as state_mod
+from hpc_train.ckpt import store as resume
+from hpc_train.ckpt.checksum import Checks
+from hpc_train.ckpt.common import APP_FILE, dcp_state, owner_module, rank_file, why
+from hpc_train.ckpt.safe import SafePlanner, SafeReader, safe_torch_load
+from hpc_train.ckpt.state import set_rng_state
+from hpc_train.errors import CheckpointError, UsageError
+
+__all__ = ["CheckpointError", "check_keys", "load"]
+log = logging.getLogger("hpc_train")
+
+
+def check_keys(path: Path, saved: dict[str, str] | None, kinds: dict[str, str]) -> None:
+    """The checkpoint's entries must be the state's: name what is missing and what is extra."""
+    if saved is None:
+        return
+    missing, extra = sorted(set(kinds) - set(saved)), sorted(set(saved) - set(kinds))
+    changed = sorted(k for k in set(kinds) & set(saved) if kinds[k] != saved[k])
+    if missing or extra or changed:
+        parts = ([f"in state but not in the checkpoint: {', '.join(missing)}"] if missing else []) + \
+                ([f"in the checkpoint but not in state: {', '.join(extra)}"] if extra else []) + \
+                (["of another kind: " + ", ".join(f"{k} (saved {saved[k]}, now {kinds[k]})" for k in changed)]
+                 if changed else [])
+        raise UsageError(f"checkpoint {path} does not match state ({'; '.join(parts)}); restore with the same "
+                         f"state keys it was saved with, or start a new run directory")
+
+
+def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
+         kinds: dict[str, str] | None = None) -> dict[str, Any]:
+    """Restore ``state`` in place from a complete checkpoint (resharding if the world size
+    changed), checking the checksums of every byte read. Returns the commit record."""
+    info = resume.inspect(path)
+    if not info.complete:
+        raise CheckpointError(f"checkpoint {path} is not complete: {info.problem}")
+    kinds = kinds or state_mod.kinds(state)
+    check_keys(path, info.record.get("state"), kinds)
+    checks = Checks(path, info.record)
+    dcp_st = dcp_state(state, kinds)
+    if dcp_st:
+        try:
+            dcp.load(dcp_st, storage_reader=SafeReader(str(path), checks), planner=SafePlanner(),
+                     process_group=None, no_dist=not (dist.is_initialized() and world_size > 1))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
+            # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
+            w = why(e)
+            hint = " (does the model match the one it was saved with?)" if "mismatch" in w else ""
+            raise CheckpointError(f"cannot load checkpoint {path}: {w}{hint}") from None
+        for k, kind in kinds.items():
+            if kind == "module":
+                set_model_state_dict(state[k], dcp_st[k])
+        for k, kind in kinds.items():
+            if kind == "optimizer":
+                set_optimizer_state_dict(owner_module(state, kinds, k), state[k], dcp_st[k])
+    app = safe_torch_load(path / APP_FILE, checks)
+    for k, kind in kinds.items():
+        if kind == "stateful":
+            state[k].load_state_dict(app[k])
+    saved = info.record.get("world_size")
+    if saved == world_size:
+        mine = safe_torch_load(rank_file(path, rank), checks)
+        # This rank's own plain values; a checkpoint from before they were saved per rank has
+        # only rank 0's, in app.pt.
+        plain = mine.get("plain", {}) if isinstance(mine, dict) else {}
+        for k, kind in kinds.items():
+            if kind == "plain":
+                state[k] = plain[k] if k in plain else app[k]
+            elif kind == "per_rank":
+                state[k].load_state_dict(mine["objects"][k])
+        set_rng_state(mine["rng"])
+        return info.record
+    # Another world size: per-rank RNG streams do not carry over; loaders continue after the
+    # same number of samples where they know how (hpc_train.node.loader.ShardedLoader), else
+    # restart. Plain values: rank 0's for every rank; the same value on every rank when saved
+    # (the usual case) is exact, and those that differed are named.
+    differs = set(info.record.get("differs_by_rank", []))
+    for k, kind in kinds.items():
+        if kind == "plain":
+            state[k] = app[k]
+            if k in differs and rank == 0:
+                log.warning("state[%r] differed from rank to rank in the checkpoint saved at world size %s; at "
+                            "world size %d every rank gets rank 0's value", k, saved, world_size)
+    first = safe_torch_load(rank_file(path, 0), checks)
+    for k, kind in kinds.items():
+        if kind != "per_rank":
+            continue
+        if hasattr(state[k], "load_resharded"):
+            state[k].load_resharded(first["objects"][k], saved or world_size)
+        else:
+            log.warning("state[%r] cannot continue at world size %d from a checkpoint saved at %s; it "
+                        "starts from its beginning", k, world_size, saved)
+    return info.record
