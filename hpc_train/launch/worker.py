@@ -68,7 +68,9 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
             from hpc_train.launch.supervise import supervise
             return supervise(cfg, env, rd, stop)
         goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code
-        return _run(cfg, env, rd, stop, target, args, kwargs or {}, leaving)
+        out = _run(cfg, env, rd, stop, target, args, kwargs or {}, leaving)
+        watchdog.say_ended(rd, env.rank, "returned")   # an exit 0 without it is an early leave (the launcher)
+        return out
     except BaseException as e:
         if isinstance(e, ScriptFailed):    # its error file is written, naming rank and host
             raise
@@ -115,6 +117,10 @@ def _one_line(e: BaseException) -> str | None:
         return f"{type(e).__name__}: {os_error_line(e)}"
     if isinstance(e, RunFailure):   # names the cause and the fix; anything else keeps its traceback
         return f"{type(e).__name__}: {e}"
+    if isinstance(e, MemoryError):
+        from hpc_train.node.watchdog import memory_limits
+        limits = memory_limits()
+        return f"MemoryError: out of memory{f' (the memory limit in force is {limits})' if limits else ''}"
     text = str(e)
     if _peer_lost(e):
         # A victim: another rank died or froze, and this one's collective failed. Not a bug here.
