@@ -44,12 +44,18 @@ def loader(ds: Dataset, sampler: Any, batch_size: int, num_workers: int, seed: i
 class ShardedLoader:
     """A rank's shard of a map-style dataset, resumable mid-epoch: what ``run.loader()`` returns.
 
-    Wraps a ``DistributedSampler`` and a ``StatefulDataLoader``. Each ``iter()`` is one epoch;
-    the epoch number, the sampler's epoch and the loader's seed advance by themselves, so a loop
-    needs no ``set_epoch``. Its ``state_dict`` is the epoch and, mid-epoch, the loader's
-    position; after a restore the next ``iter()`` yields exactly the batches a straight run
-    would have yielded. Seeds depend on (seed, rank, epoch) only, never on how many epochs this
-    process has run, so a resumed run draws the same ones as a straight run.
+    Wraps a ``DistributedSampler`` and a ``StatefulDataLoader``. Each ``iter()`` is one epoch
+    (or its rest): the epoch number, the sampler's epoch and the loader's seed advance when the
+    epoch's iteration ends, so a loop needs no ``set_epoch``. Its ``state_dict`` is the epoch
+    and, mid-epoch, the loader's position; after a restore the next ``iter()`` yields exactly
+    the batches a straight run would have yielded. Seeds depend on (seed, rank, epoch) only,
+    never on how many epochs this process has run, so a resumed run draws the same ones as a
+    straight run.
+
+    A batch counts as taken once the loop asks for the next one, or once a checkpoint
+    (``state_dict``) is taken while the loop holds it. An iterator given up with its last batch
+    in neither case, as in the tutorials' peek ``len(next(iter(loader))[0])``, gives that batch
+    back: the next ``iter()`` starts from the same position, and no epoch loses a batch.
     """
 
     hpc_train_per_rank = True   # its state differs per rank (hpc_train.ckpt.state)
