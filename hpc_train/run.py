@@ -380,6 +380,7 @@ class Run:
         if self.stopped:
             log.warning("finish() after a stop: the run is not finished; it resumes when run again")
             return out
+        self.stop.listening = True   # a step boundary too: a stop now waits for the final save
         ckpt = self._checkpointer()
         if ckpt is not None and self._last_state is not None and ckpt.due(self._last_state["step"], force=True):
             self.sync_buffers()
@@ -388,6 +389,7 @@ class Run:
             out.setdefault("steps", self._last_state["step"])
         out.setdefault("world_size", self.world_size)
         self._close()
+        self._agreement.all_reached(self.device)   # a peer that left fails this: no result.json then
         if self.is_main:
             rundir.write_json(self.run_dir / rundir.RESULT, out)
             if self.config.log.tensorboard and (self.run_dir / "tb").is_dir():

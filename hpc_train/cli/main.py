@@ -175,6 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     cfg = load(args)
+    launch.check_nproc(args.nproc, cfg.dist.backend)
     check_plugins(cfg)
     check_backend(cfg)
     from hpc_train.config import check_launch
@@ -214,7 +215,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
               f"{plan.describe(_own_code(cfg))}", file=sys.stderr)
         return launch.launch(args.nproc, path, run_dir, resume=plan.env_value(), port=port,
-                             hang_s=cfg.dist.timeout_s)
+                             hang_s=cfg.dist.timeout_s, lock_fd=lock.fd)
     finally:
         lock.release()
 

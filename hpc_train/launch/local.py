@@ -5,10 +5,14 @@ Each worker is ``python -m hpc_train worker`` with torchrun-style variables plus
 
 Signals: workers run in their own session, so a terminal's Ctrl-C reaches only this process,
 which decides what they get. The first Ctrl-C (or a SIGTERM) is forwarded as SIGTERM: every
-rank finishes its step, saves, and exits. A second Ctrl-C kills them at once.
+rank finishes its step, saves, and exits. A second Ctrl-C, or a Ctrl-\\, kills them at once.
+Nothing outlives this process: each worker is SIGKILLed by the kernel when it dies (a kill -9
+forwards nothing), and every worker holds the run directory's lock, so the directory is free
+only once no process of the run can still write to it.
 
-Failure: when one worker exits non-zero, the others are stopped (SIGTERM, then SIGKILL after a
-grace period) and the first failure is shown with its error and log path.
+Failure: when one worker exits non-zero, or with 0 before its work ended (it never said so:
+:func:`hpc_train.node.watchdog.say_ended`), the others are stopped (SIGTERM, then SIGKILL after
+a grace period) and the first failure is shown with its error and log path.
 """
 
 from __future__ import annotations
@@ -43,10 +47,23 @@ def rendezvous_port(environ: dict[str, str] | None = None) -> int:
     return free_port()
 
 
-def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str, port: int) -> list[subprocess.Popen]:
+class SpawnFailed(Exception):
+    """Starting worker ``rank`` failed (out of processes, memory, file descriptors); the workers
+    already started have been ended."""
+
+    def __init__(self, rank: int, nproc: int, error: OSError) -> None:
+        from hpc_train.errors import os_error_line
+        why = os_error_line(error).removeprefix("cannot use: ")
+        super().__init__(f"could not start worker rank {rank} of {nproc} ({why}); the {rank} already started "
+                         f"{'was' if rank == 1 else 'were'} ended")
+
+
+def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str, port: int,
+           lock_fd: int | None = None) -> list[subprocess.Popen]:
     from hpc_train.goodput import process_start_time
+    from hpc_train.node.watchdog import die_with_parent
     launched = f"{process_start_time():.3f}"   # the goodput ledger counts start-up from here
-    procs = []
+    procs: list[subprocess.Popen] = []
     for rank in range(nproc):
         env = dict(os.environ, HPC_TRAIN_LAUNCHER="local", HPC_TRAIN_LAUNCHED_AT=launched, RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
@@ -55,10 +72,53 @@ def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str, port: int)
         # Slurm variables would make a worker think it is a Slurm task of some other job.
         for k in [k for k in env if k.startswith("SLURM_")]:
             del env[k]
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "hpc_train", "worker", "--config", str(config_path), "--run-dir", str(run_dir)],
-            env=env, start_new_session=True))
+        try:
+            # Each worker dies with this process (a kill -9 here can forward nothing), and holds the
+            # run directory's lock with it: the lock is free only once no process of the run writes.
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "hpc_train", "worker", "--config", str(config_path), "--run-dir", str(run_dir)],
+                env=env, start_new_session=True, preexec_fn=die_with_parent(),
+                pass_fds=(lock_fd,) if lock_fd is not None else ()))
+        except OSError as e:
+            # Out of processes part-way: the ones started would wait for their peers until the
+            # rendezvous timed out, long after this launcher is gone.
+            _signal_all(procs, signal.SIGKILL)
+            for p in procs:
+                p.wait()
+            raise SpawnFailed(rank, nproc, e) from None
     return procs
+
+
+def check_nproc(nproc: int, backend: str) -> None:
+    """``--nproc``: at least 1, and at most one process per GPU (nccl, or auto where GPUs are
+    visible) or per CPU this process may run on (gloo). Counted without importing torch."""
+    from hpc_train.errors import UsageError
+    if nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {nproc}")
+    gpus = _visible_gpus() if backend in ("nccl", "auto") else 0
+    if gpus:
+        bound, what = gpus, f"{gpus} GPU{'s' if gpus != 1 else ''} visible (one process per GPU with dist.backend={backend})"
+    else:
+        bound = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        what = f"{bound} CPU{'s' if bound != 1 else ''} this process may use (one process per CPU)"
+    if nproc > bound:
+        raise UsageError(f"--nproc {nproc} is more than the {what}; use --nproc {bound} or less")
+
+
+def _visible_gpus() -> int:
+    """NVIDIA GPUs this process may use: CUDA_VISIBLE_DEVICES if set, else the driver's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = 0
+        for dev in visible.split(","):     # CUDA stops at the first invalid entry ("-1", "")
+            if not dev.strip() or dev.strip().startswith("-"):
+                break
+            n += 1
+        return n
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
 
 
 def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
@@ -72,24 +132,50 @@ def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
                 pass
 
 
-def _first_error(run_dir: Path, rank: int) -> str:
+def _first_error(run_dir: Path, rank: int, code: int | None = None) -> str:
     """The error's first paragraph (a script's failure: rank, host and its last lines; a
-    Python error: its one-line summary, not the traceback under it)."""
+    Python error: its one-line summary, not the traceback under it). A rank that recorded none
+    is described by how it ended (``code``: its exit status)."""
     err = run_dir / "logs" / f"rank-{rank}.error"
     try:
         text = err.read_text().split("\n\n")[0].strip()
     except OSError:
         text = ""
-    return text or "its error could not be recorded (a full or read-only disk?): see its lines above"
+    return text or _unrecorded(code)
 
 
-def _culprit(run_dir: Path, ranks: list[int]) -> int:
+def _unrecorded(code: int | None) -> str:
+    """Why a rank that wrote no error file ended, from its exit status alone."""
+    from hpc_train.node.watchdog import memory_limits
+    limits = memory_limits()
+    if code == 0:
+        return ("it exited before its work ended (it neither returned from the training code nor stopped): "
+                "a rank that leaves early fails the run")
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        if -code == signal.SIGKILL:
+            return (f"killed by {name}, which the kernel's out-of-memory killer sends" +
+                    (f": the memory limit in force is {limits}" if limits else " (or someone's kill -9)"))
+        return f"killed by {name}"
+    if limits:
+        return f"it recorded no error; it may have run out of memory (the memory limit in force is {limits})"
+    return "its error could not be recorded (a full or read-only disk?): see its lines above"
+
+
+def _failed(run_dir: Path, rank: int, code: int | None) -> bool:
+    """A worker that exited non-zero, or with 0 but without saying its work ended (it left
+    early: ``os._exit(0)``, a ``sys.exit(0)`` deep in a library)."""
+    from hpc_train.node.watchdog import ended
+    return code is not None and (code != 0 or ended(run_dir, rank) is None)
+
+
+def _culprit(run_dir: Path, ranks: list[tuple[int, int]]) -> int:
     """Among ranks seen failing in the same poll, the one that caused it: a rank whose error
     says a peer went away is a victim of another rank's death."""
-    for rank in ranks:
-        if not says_peer_lost(_first_error(run_dir, rank)):
+    for rank, code in ranks:
+        if not says_peer_lost(_first_error(run_dir, rank, code)):
             return rank
-    return ranks[0]
+    return ranks[0][0]
 
 
 def _name_frozen(run_dir: Path, procs: list[subprocess.Popen], rank: int, age: float) -> None:
@@ -104,22 +190,27 @@ def _name_frozen(run_dir: Path, procs: list[subprocess.Popen], rank: int, age: f
 
 
 def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest", port: int | None = None,
-           hang_s: float = 600.0) -> int:
+           hang_s: float = 600.0, lock_fd: int | None = None) -> int:
     """Start, supervise and reap the workers. Returns the exit code for the CLI.
 
     ``hang_s`` (``dist.timeout_s``): a rank whose heartbeat is older than this has stopped
     responding (see :mod:`hpc_train.watchdog`); it is named, every rank writes its stack, and
-    the run ends."""
+    the run ends. ``lock_fd``: the run directory's lock, held by every worker too."""
     from hpc_train.node import watchdog
-    for stale in (run_dir / "logs").glob("rank-*.error"):
+    # An earlier launch's error files and heartbeat records (which say how each rank ended) are not this one's.
+    for stale in [*(run_dir / "logs").glob("rank-*.error"), *(run_dir / "logs" / ".heartbeat").glob("rank-*")]:
         stale.unlink()
     started = time.time()
-    procs = _spawn(nproc, config_path, run_dir, resume, rendezvous_port() if port is None else port)
+    try:
+        procs = _spawn(nproc, config_path, run_dir, resume, rendezvous_port() if port is None else port, lock_fd)
+    except SpawnFailed as e:
+        print(f"hpc_train: error: {e}", file=sys.stderr)
+        return 1
     interrupts = {"n": 0, "sig": 0}
     next_check = time.monotonic() + 1.0
 
     def on_signal(signum: int, frame: object) -> None:
-        interrupts["n"] += 1
+        interrupts["n"] += 1 if signum != signal.SIGQUIT else 2   # Ctrl-\\: abort at once, as a second Ctrl-C
         interrupts["sig"] = interrupts["sig"] or signum
         if interrupts["n"] == 1:
             print(f"\nhpc_train: {signal.Signals(signum).name}: asking every rank to stop after its "
@@ -130,7 +221,7 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
 
     # SIGHUP: the terminal closed. Workers live in their own sessions, so without this they would
     # train on as orphans; it stops them like the first Ctrl-C.
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
         failed: tuple[int, int] | None = None
         deadline = None
@@ -138,7 +229,7 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         # still running: rank 1's death went unseen for as long as rank 0 lived).
         while [p.poll() for p in procs].count(None):
             if failed is None:
-                dead = [rank for rank, p in enumerate(procs) if p.returncode not in (None, 0)]
+                dead = [(rank, p.returncode) for rank, p in enumerate(procs) if _failed(run_dir, rank, p.returncode)]
                 if dead:
                     # A peer that froze makes the others fail in their collectives: name it, not them.
                     alive = [r for r, p in enumerate(procs) if p.poll() is None]
@@ -162,7 +253,7 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
                 _signal_all(procs, signal.SIGKILL)
             time.sleep(0.05)
         if failed is None:
-            dead = [rank for rank, p in enumerate(procs) if p.returncode != 0]
+            dead = [(rank, p.returncode) for rank, p in enumerate(procs) if _failed(run_dir, rank, p.returncode)]
             if dead:
                 rank = _culprit(run_dir, dead)
                 failed = (rank, procs[rank].returncode)
@@ -178,7 +269,7 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         rank, code = failed
         how = "stopped responding" if code is None else \
             f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        print(f"hpc_train: worker rank {rank} failed ({how}): {_first_error(run_dir, rank)}\n"
+        print(f"hpc_train: worker rank {rank} failed ({how}): {_first_error(run_dir, rank, code)}\n"
               f"hpc_train: full log: {run_dir / 'logs' / f'rank-{rank}.log'}", file=sys.stderr)
         return 1
     stopped = run_dir / "stopped.json"

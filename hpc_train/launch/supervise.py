@@ -12,7 +12,10 @@ rules hold whether or not the script knows hpc_train:
   A script that uses ``Run`` saves at its next step boundary and exits; one that knows nothing
   of hpc_train ends as SIGTERM ends it. Either way the stop is a clean exit of this task, and
   rank 0 asks for the requeue: the script resumes from whatever it saved;
-* a script that exits non-zero fails the task, with the rank, the host and its last lines.
+* a script that exits non-zero fails the task, with the rank, the host and its last lines;
+* the run is finished (``result.json``, by rank 0) only once every rank's script exited 0;
+* the script dies with its supervisor, and its output is drained to the log whatever becomes
+  of the console.
 
 No torch here: the supervisor adds a process per task, and should add nothing else.
 """
@@ -33,7 +36,7 @@ from typing import IO, Any
 
 from hpc_train import rundir
 from hpc_train.config import Config
-from hpc_train.node import environment
+from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.stops import StopRequest
 
@@ -44,9 +47,18 @@ TAIL_LINES = 15
 
 
 def _tee(src: IO[bytes], console: IO[bytes], logfile: IO[bytes], tail: collections.deque, lock: threading.Lock) -> None:
+    """Copy the script's output to the console and the rank's log, until the script closes it.
+    The draining never stops while the script runs: a script whose pipe fills blocks for good."""
     for line in iter(src.readline, b""):
-        console.write(line)
-        console.flush()
+        if console is not None:
+            try:
+                console.write(line)
+                console.flush()
+            except (OSError, ValueError):
+                # The console went away (`run ... | head`: a BrokenPipeError). Its fd now leads to
+                # /dev/null, so this process's own later flushes cannot fail either; the log keeps it all.
+                _drop(console)
+                console = None
         # hpc_train's own log lines in the child ("[rank R] ...") reach the file through its
         # own handler; everything else the script prints is written here.
         if not line.startswith(b"[rank "):
@@ -57,18 +69,29 @@ def _tee(src: IO[bytes], console: IO[bytes], logfile: IO[bytes], tail: collectio
     src.close()
 
 
+def _drop(console: IO[bytes]) -> None:
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, console.fileno())
+        os.close(null)
+    except (OSError, ValueError):
+        pass
+
+
 def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[str, Any]:
     from hpc_train.node.stops import record_stop
     script = Path(cfg.train.script)
     if (rd / rundir.RESULT).exists():
         log.info("%s holds a finished run (result.json); not running %s again", rd, script)
+        watchdog.say_ended(rd, env.rank, "finished")
         return json.loads((rd / rundir.RESULT).read_text())
     environment.log_placement(env)
     started = time.time()
     cmd = [sys.executable, "-u", str(script), *cfg.train.args]
     log.info("running %s", " ".join(cmd))
+    # The script dies with this process: nothing of a run outlives its supervisor.
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=watchdog.die_with_parent())
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     lock = threading.Lock()
     logfile = open(rundir.rank_log(rd, env.rank), "ab")
@@ -98,6 +121,7 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
         if not handled:     # the script never saw the stop through run.step_end
             record_stop(cfg.job, env, rd, stop, step=None, checkpoint=False)
         log.info("the script stopped (%s; it %s)", stop.name, _how(code))
+        watchdog.say_ended(rd, env.rank, "stopped")
         return {"stopped": True, "exit_code": code}
     if code != 0:
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
@@ -105,10 +129,41 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
         rundir.rank_error(rd, env.rank).write_text(msg + "\n")
         log.error("%s", msg)
         raise ScriptFailed(msg)
-    if env.rank == 0 and not (rd / rundir.RESULT).exists():
+    watchdog.say_ended(rd, env.rank, "finished")
+    # The run is finished when every rank's script is: rank 0 writes result.json only then. Were
+    # it written when rank 0's own script ended, a rank failing later would leave a failed run
+    # marked finished, and every rerun and requeue would do nothing.
+    if env.rank == 0 and _all_finished(cfg, env, rd, stop) and not (rd / rundir.RESULT).exists():
         rundir.write_json(rd / rundir.RESULT, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                                                "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
+
+
+def _all_finished(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> bool:
+    """Rank 0, its own script done: wait until every rank said how its script ended; True when
+    all finished. A rank that fails ends this wait from outside (the local launcher's SIGTERM,
+    ``srun --kill-on-bad-exit``); one that goes silent, its heartbeat stale, fails it here."""
+    me, since = watchdog.launch_id(), time.time()
+    limit = watchdog.limit_for(cfg.dist.timeout_s)
+    logged = False
+    while True:
+        ends = {r: watchdog.ended(rd, r, me) for r in range(env.world_size)}
+        waiting = [r for r, how in ends.items() if how is None]
+        if not waiting:
+            return all(how == "finished" for how in ends.values())
+        if stop.requested:
+            return False
+        if not logged:
+            log.info("waiting for rank(s) %s to finish before marking the run finished", waiting)
+            logged = True
+        gone = watchdog.stale(rd, waiting, limit, since)
+        if gone is not None:
+            host, pid = watchdog.holder(rd, gone[0])
+            msg = (f"rank {gone[0]} (pid {pid} on {host}) left without finishing: its script never said it ended, "
+                   f"and it has not beaten for {gone[1]:.0f}s")
+            rundir.rank_error(rd, env.rank).write_text(msg + "\n")
+            raise ScriptFailed(msg)
+        time.sleep(0.1)
 
 
 def _how(code: int) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 from hpc_train import config as config_mod
 from hpc_train import rundir
 from hpc_train import goodput
-from hpc_train.node import environment, session
+from hpc_train.node import environment, session, watchdog
 from hpc_train.config import Config
 from hpc_train.errors import RunFailure, ScriptFailed, UsageError, says_peer_lost
 
@@ -54,7 +54,9 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
             s.close(finished=not out.get("stopped"), record_goodput=True)
             return out
         goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code
-        return _run(s, target, args, kwargs or {}, leaving)
+        out = _run(s, target, args, kwargs or {}, leaving)
+        watchdog.say_ended(rd, env.rank, "returned")   # an exit 0 without it is an early leave (the launcher)
+        return out
     except BaseException as e:
         if isinstance(e, ScriptFailed):    # its error file is written, naming rank and host
             raise
@@ -83,6 +85,10 @@ def _one_line(e: BaseException) -> str | None:
         return f"{type(e).__name__}: {os_error_line(e)}"
     if isinstance(e, RunFailure):   # names the cause and the fix; anything else keeps its traceback
         return f"{type(e).__name__}: {e}"
+    if isinstance(e, MemoryError):
+        from hpc_train.node.watchdog import memory_limits
+        limits = memory_limits()
+        return f"MemoryError: out of memory{f' (the memory limit in force is {limits})' if limits else ''}"
     text = str(e)
     if _peer_lost(e):
         # A victim: another rank died or froze, and this one's collective failed. Not a bug here.
@@ -111,7 +117,6 @@ def _call_fn(fn: Callable[..., Any], cfg: Config, env: environment.NodeEnv, devi
 def _run(s: session.Session, target, args: tuple, kwargs: dict, leaving: bool) -> Any:
     from hpc_train import lifecycle
     from hpc_train.node import group   # imports torch: only on the training path
-    from hpc_train.node import watchdog
     from hpc_train.node.stops import StopRun, record_stop
 
     cfg, env, rd, stop = s.cfg, s.env, s.run_dir, s.stop

@@ -7,7 +7,7 @@ small all-reduce it makes anyway (under DDP: riding on the gradient all-reduce),
 learns that *some* rank was asked to stop, in the same step, and all of them save and exit
 together. Code that never calls ``step_end`` would never see the flag: it is ended instead
 (:class:`StopRun`, raised in the main thread :data:`ESCALATE_AFTER_S` seconds after the stop),
-so a stop is never swallowed.
+and so is a loop that stops reaching it (:meth:`StopRequest.grace`), so a stop is never swallowed.
 
 Signals: SIGTERM (what a preemption without a user signal and the time limit send, and what
 ``run`` forwards on Ctrl-C), SIGINT, and the job's ``--signal`` (default USR2: NCCL may catch
@@ -37,13 +37,32 @@ class StopRequest:
         self.received_at: float | None = None
         self.count = 0
         self._installed: list[int] = []
-        # Set once the loop has called run.step_end: from then on a stop is only recorded, and
-        # the loop acts on it at its next step boundary. Before that (code that never looks at
-        # the flag) a stop raises StopRun, so it is never swallowed.
-        self.listening = False
+        # Set once the loop has called run.step_end (or restored): from then on a stop waits for the
+        # loop's next step boundary. Code that never looks at the flag is ended instead (StopRun,
+        # after ESCALATE_AFTER_S), and so is a loop that stops reaching step_end (an empty loader, a
+        # hang in the user's code): one that has not reached it for a grace period after the stop.
+        self._listening = False
+        self._heard: float | None = None     # monotonic time of the last step boundary (or restore)
+        self._longest = 0.0                   # the longest gap between two of them
+        self._quiet_at_stop = 0.0             # how long the loop had been quiet when the stop came
+        self._stopped_at: float | None = None
         self.escalate = False
         self._raise_now = False
         self._timer: threading.Timer | None = None
+
+    @property
+    def listening(self) -> bool:
+        return self._listening
+
+    @listening.setter
+    def listening(self, value: bool) -> None:
+        """Set at every step boundary: the loop is alive and acts on a stop at the next one."""
+        if value:
+            now = time.monotonic()
+            if self._heard is not None:
+                self._longest = max(self._longest, now - self._heard)
+            self._heard = now
+        self._listening = value
 
     @property
     def requested(self) -> bool:
@@ -58,24 +77,43 @@ class StopRequest:
         self.count += 1
         if self.signum is None:
             self.signum, self.received_at = signum, time.time()
+            self._stopped_at = time.monotonic()
+            self._quiet_at_stop = self._stopped_at - self._heard if self._heard is not None else 0.0
         if self._raise_now:
             self._raise_now = False     # once: the unwinding code may itself be signalled again
             raise StopRun(signal.Signals(signum).name)
-        if self.escalate and not self.listening and self._timer is None:
+        if self.escalate and self._timer is None:
             # Give the loop a moment to reach its next run.step_end (a stop during start-up, or
             # one that reached a single rank, is then still agreed and saved); code that never
             # calls it is ended after that, from the main thread, as a plain script would be.
-            self._timer = threading.Timer(ESCALATE_AFTER_S, self._escalate)
-            self._timer.daemon = True
-            self._timer.start()
+            self._arm(ESCALATE_AFTER_S)
+
+    def _arm(self, delay: float) -> None:
+        self._timer = threading.Timer(delay, self._escalate)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def grace(self) -> float:
+        """How long a listening loop may take to reach step_end after a stop: a few of its slowest
+        steps so far, and never less than the time it had already been quiet when the stop came
+        (a long first step), nor than ESCALATE_AFTER_S."""
+        return max(ESCALATE_AFTER_S, 4 * self._longest, self._quiet_at_stop)
 
     def _escalate(self) -> None:
-        if not self.listening and self.signum is not None:
-            self._raise_now = True
-            # A real signal to the main thread, which runs _handler there (it raises). Not
-            # _thread.interrupt_main: that only sets Python's flag, so code blocked in a call
-            # (time.sleep, a socket read) would not see it until the call returned.
-            signal.pthread_kill(threading.main_thread().ident, self.signum)
+        if self.signum is None or self._stopped_at is None or not self.escalate:
+            return
+        if self._listening:
+            if self._heard is not None and self._heard >= self._stopped_at:
+                return      # the loop reached a step boundary after the stop: it acts on it there
+            left = self.grace() - (time.monotonic() - self._stopped_at)
+            if left > 0:
+                self._arm(left)
+                return
+        self._raise_now = True
+        # A real signal to the main thread, which runs _handler there (it raises). Not
+        # _thread.interrupt_main: that only sets Python's flag, so code blocked in a call
+        # (time.sleep, a socket read) would not see it until the call returned.
+        signal.pthread_kill(threading.main_thread().ident, self.signum)
 
     def install(self, signals: list[str], escalate: bool = False) -> None:
         self.escalate = escalate
@@ -91,6 +129,9 @@ class StopRequest:
         """After the last step: ignore the job's stop signals for good (SIG_IGN survives
         interpreter teardown, a Python handler does not). SIGTERM and SIGINT are left as they
         are, so the scheduler and the user can still end the process."""
+        self.escalate = False     # the work is done: a pending escalation must not end the teardown
+        if self._timer is not None:
+            self._timer.cancel()
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in self._installed:
@@ -168,6 +209,14 @@ class Agreement:
         self._staged = None
         return result.double().cpu()
 
+    def all_reached(self, device) -> None:
+        """Every rank got here (``Run.finish``, before result.json): a collective, which fails
+        when a peer has left, so a run is never marked finished by the ranks that stayed."""
+        if self.multi:
+            import torch
+            import torch.distributed as dist
+            dist.all_reduce(torch.ones(1, device=device))
+
 
 # Bucket 0 carries the agreement inside its own all-reduce when it is at most this big (DDP's
 # first bucket is capped at 1 MiB by default): copying it in and out costs ~0.1 ms on a CPU and
@@ -192,6 +241,9 @@ def _agreement_hook(state: Agreement, bucket):
     flat = torch.cat([grads, values])              # the values are summed, not averaged
 
     def unpack(fut):
+        # value() raises when the all-reduce failed (a peer left: gloo's "connection closed by
+        # peer"): the step fails, rather than train on with this rank's own, un-averaged gradients.
+        fut.value()
         grads.copy_(flat[:n])
         return grads
     state._inflight = (None, flat[n:])             # read by collect(), after the backward

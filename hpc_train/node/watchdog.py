@@ -21,6 +21,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hpc_train import rundir
@@ -65,14 +66,44 @@ class Heartbeat:
 
 
 def _write_record(path: Path, **extra: str) -> None:
-    """A heartbeat file's content: who beats it (for :func:`holder`), and any word it leaves."""
-    rundir.write_json(path, {"host": socket.gethostname(), "pid": os.getpid(), **extra})
+    """A heartbeat file's content: who beats it (for :func:`holder`), in which launch, and any
+    word it leaves (a later word keeps the earlier ones)."""
+    old = _read_path(path) if extra else {}
+    rundir.write_json(path, {**old, "host": socket.gethostname(), "pid": os.getpid(), "launch": launch_id(), **extra})
+
+
+def launch_id() -> str:
+    """The same string on every rank of one launch, and another on the next launch (a requeue, a
+    restart, the next ``run``): a record left by an earlier launch is never taken for this one's."""
+    keys = ("HPC_TRAIN_LAUNCHED_AT", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
+    return "/".join(os.environ.get(k, "") for k in keys)
+
+
+def say_ended(run_dir: Path, rank: int, how: str) -> None:
+    """This rank's work ended as it should (``how``: finished, stopped, returned) and its exit
+    follows. A rank that exits, even with code 0, without having said so left early: the launcher
+    and a script's rank 0 take that as a failure (see :func:`ended`)."""
+    _write_record(rundir.heartbeat_path(run_dir, rank), ended=how)
+
+
+def ended(run_dir: Path, rank: int, launch: str | None = None) -> str | None:
+    """How ``rank`` said its work ended (:func:`say_ended`), in ``launch`` if given; None: not (yet)."""
+    rec = _read_record(run_dir, rank)
+    if launch is not None and rec.get("launch") != launch:
+        return None
+    how = rec.get("ended")
+    return how if isinstance(how, str) else None
 
 
 def _read_record(run_dir: Path, rank: int) -> dict:
     """A rank's heartbeat record; {} when it is missing or unreadable."""
+    return _read_path(rundir.heartbeat_path(run_dir, rank))
+
+
+def _read_path(path: Path) -> dict:
     try:
-        h = json.loads(rundir.heartbeat_path(run_dir, rank).read_text())
+        h = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return h if isinstance(h, dict) else {}
@@ -164,3 +195,72 @@ def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str) 
     t = threading.Thread(target=loop, name="hpc_train-watchdog", daemon=True)
     t.start()
     return t
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a child process: the kernel SIGKILLs the child when the thread that
+    forked it exits, so a worker never outlives a launcher killed with -9 (which can forward
+    nothing). Fork from the main thread, which lives as long as the process. None where there
+    is no prctl (not Linux). libc is looked up here, in the parent: the child only calls it."""
+    import ctypes
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:      # the parent died before the call took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+    return child
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def memory_limits() -> str | None:
+    """The memory limits on this process, as one phrase ("RLIMIT_AS 48 GiB, cgroup memory 4 GiB");
+    None when none is set. A rank killed by SIGKILL under one was most likely the OOM killer's."""
+    import resource
+    found = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        found.append(f"RLIMIT_AS {_size(soft)}")
+    cg = _cgroup_memory_limit()
+    if cg is not None:
+        found.append(f"cgroup memory {_size(cg)}")
+    return ", ".join(found) or None
+
+
+def _cgroup_memory_limit() -> int | None:
+    """memory.max (cgroup v2) or memory.limit_in_bytes (v1) of this process's cgroup, if limited."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            root, name = Path("/sys/fs/cgroup"), "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        # Inside a container the cgroup's own directory is mounted as the root.
+        for d in (root / path.lstrip("/"), root):
+            try:
+                raw = (d / name).read_text().strip()
+            except OSError:
+                continue
+            if raw.isdigit() and int(raw) < 1 << 60:   # "max", or v1's near-2^63 "unlimited"
+                return int(raw)
+            break
+    return None
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} bytes"
