@@ -11,6 +11,9 @@ import difflib
 from collections.abc import Iterable
 
 EXIT_USAGE = 2
+# Stopped before the end (a preemption, a signal, request_stop) and not requeued: the exit of a
+# process that called init() after a stop, and of a batch script whose run stopped.
+EXIT_STOPPED = 3
 
 
 class UsageError(Exception):

@@ -42,7 +42,7 @@ from torch import nn
 from hpc_train import rundir
 from hpc_train.ckpt import state as state_mod
 from hpc_train.config import Config
-from hpc_train.errors import UsageError
+from hpc_train.errors import EXIT_STOPPED, UsageError
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.session import Session
 from hpc_train.node.stops import Agreement, StopRequest, record_stop
@@ -50,9 +50,6 @@ from hpc_train.node.stops import Agreement, StopRequest, record_stop
 from hpc_train.errors import NonFiniteError
 
 log = logging.getLogger("hpc_train")
-# A stopped run's exit code outside hpc_train's launchers (theirs decide by themselves): the batch
-# script's code for "stopped before the end" (hpc_train.login.hook.UNFINISHED).
-STOPPED_EXIT_CODE = 3
 
 
 class Run:
@@ -364,9 +361,11 @@ class Run:
 
     @property
     def exit_code(self) -> int:
-        """What the process should exit with: 0 once finished, :data:`STOPPED_EXIT_CODE` after a
-        stop (so a shell, torchrun and Slurm see that the run did not finish), else 1."""
-        return 0 if self.finished else STOPPED_EXIT_CODE if self.stopped else 1
+        """What the process should exit with: 0 once finished, 3 (``errors.EXIT_STOPPED``) after a
+        stop (so a shell, torchrun and Slurm see that the run did not finish), else 1. Outside
+        hpc_train's launchers the process exits with it after a stop by itself (see
+        :mod:`hpc_train.lifecycle`); under them the launcher or the batch shell decides."""
+        return 0 if self.finished else EXIT_STOPPED if self.stopped else 1
 
     def finish(self, result: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The run is done: save a final checkpoint of the last state given to ``step_end`` (if

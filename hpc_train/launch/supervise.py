@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from hpc_train import rundir
-from hpc_train.config import Config
+from hpc_train.config import JobSection, TrainSection
 from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.stops import StopRequest
 
-from hpc_train.errors import ScriptFailed
+from hpc_train.errors import EXIT_STOPPED, ScriptFailed
 
 log = logging.getLogger("hpc_train")
 TAIL_LINES = 15
@@ -78,16 +78,17 @@ def _drop(console: IO[bytes]) -> None:
         pass
 
 
-def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[str, Any]:
+def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeEnv, rd: Path,
+              stop: StopRequest) -> dict[str, Any]:
+    """Run ``train.script`` with ``train.args`` on this task, its output to the console and the
+    rank's log; a stop reaches it as SIGTERM. ``job``: for the stop record and its requeue;
+    ``timeout_s``: how long a silent rank may take before it counts as gone. The run directory's
+    lock, a finished run and the heartbeat are the lifecycle's (:mod:`hpc_train.node.session`)."""
     from hpc_train.node.stops import record_stop
-    script = Path(cfg.train.script)
-    if (rd / rundir.RESULT).exists():
-        log.info("%s holds a finished run (result.json); not running %s again", rd, script)
-        watchdog.say_ended(rd, env.rank, "finished")
-        return json.loads((rd / rundir.RESULT).read_text())
+    script = Path(train.script)
     environment.log_placement(env)
     started = time.time()
-    cmd = [sys.executable, "-u", str(script), *cfg.train.args]
+    cmd = [sys.executable, "-u", str(script), *train.args]
     log.info("running %s", " ".join(cmd))
     # The script dies with this process: nothing of a run outlives its supervisor.
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
@@ -114,12 +115,12 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
     logfile.close()
     code = proc.returncode
     stop.ignore_further()
-    if stop.requested:
-        stopped = rd / rundir.STOPPED
-        handled = stopped.exists() and stopped.stat().st_mtime >= started and json.loads(stopped.read_text()).get(
-            "checkpoint")
-        if not handled:     # the script never saw the stop through run.step_end
-            record_stop(cfg.job, env, rd, stop, step=None, checkpoint=False)
+    # The script's own Run recorded a stop (a signal only it got, run.request_stop()) and exited
+    # with the stopped code: that is a stop too, not a failure.
+    own_stop = code == EXIT_STOPPED and _stop_recorded_since(rd, started, wait_s=10.0)
+    if stop.requested or own_stop:
+        if stop.requested and not _stop_recorded_since(rd, started):
+            record_stop(job, env, rd, stop, step=None, checkpoint=False)   # the script never saw it
         log.info("the script stopped (%s; it %s)", stop.name, _how(code))
         watchdog.say_ended(rd, env.rank, "stopped")
         return {"stopped": True, "exit_code": code}
@@ -133,18 +134,34 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
     # The run is finished when every rank's script is: rank 0 writes result.json only then. Were
     # it written when rank 0's own script ended, a rank failing later would leave a failed run
     # marked finished, and every rerun and requeue would do nothing.
-    if env.rank == 0 and _all_finished(cfg, env, rd, stop) and not (rd / rundir.RESULT).exists():
+    if env.rank == 0 and _all_finished(timeout_s, env, rd, stop) and not (rd / rundir.RESULT).exists():
         rundir.write_json(rd / rundir.RESULT, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                                                "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
 
 
-def _all_finished(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> bool:
+def _stop_recorded_since(rd: Path, since: float, wait_s: float = 0.0) -> bool:
+    """A stop record with a checkpoint, written since ``since`` (by the script's own Run; only its
+    rank 0 writes it, so another rank's supervisor may wait for it a moment)."""
+    deadline = time.time() + wait_s
+    while True:
+        path = rd / rundir.STOPPED
+        try:
+            if path.stat().st_mtime >= since and json.loads(path.read_text()).get("checkpoint"):
+                return True
+        except (OSError, ValueError, AttributeError):
+            pass
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _all_finished(timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest) -> bool:
     """Rank 0, its own script done: wait until every rank said how its script ended; True when
     all finished. A rank that fails ends this wait from outside (the local launcher's SIGTERM,
     ``srun --kill-on-bad-exit``); one that goes silent, its heartbeat stale, fails it here."""
     me, since = watchdog.launch_id(), time.time()
-    limit = watchdog.limit_for(cfg.dist.timeout_s)
+    limit = watchdog.limit_for(timeout_s)
     logged = False
     while True:
         ends = {r: watchdog.ended(rd, r, me) for r in range(env.world_size)}

@@ -50,7 +50,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
             return s.finished
         if script:
             from hpc_train.launch.supervise import supervise
-            out = supervise(cfg, env, rd, s.stop)
+            out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, env, rd, s.stop)
             s.close(finished=not out.get("stopped"), record_goodput=True)
             return out
         goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code

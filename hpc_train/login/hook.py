@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+from hpc_train.errors import EXIT_STOPPED
 from hpc_train.requeue import PENDING, _load, _save, budgets_of, request
 
-UNFINISHED = 3   # the job's exit code for "stopped before the end and not requeued"
+UNFINISHED = EXIT_STOPPED   # the job's exit code for "stopped before the end and not requeued"
 
 
 def _scontrol_requeue(target: str) -> tuple[bool, str]:
