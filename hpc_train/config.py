@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from hpc_train import rundir
 from hpc_train.config_yaml import IMPORT_RE, coerce, parse_value, read_file
 from hpc_train.errors import UsageError, closest, show
 from hpc_train.rundir import write_atomic
@@ -371,6 +372,6 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 def write(cfg: Config, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / "config.yaml"
+    out = run_dir / rundir.CONFIG
     write_atomic(out, cfg.to_yaml())
     return out

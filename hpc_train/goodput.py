@@ -65,7 +65,8 @@ def resume_gc() -> None:
     start-up made is frozen (``gc.freeze``: kept out of every later collection, so it is never
     rescanned), then the collector runs as usual. A full collection instead would scan it all
     once more, hundreds of thousands of objects per rank. The cost is that start-up's own
-    garbage cycles are never freed: small objects (functions, tuples, types; no tensor data). A no-op unless :func:`pause_gc` turned the collector off."""
+    garbage cycles are never freed: small objects (functions, tuples, types; no tensor data).
+    A no-op unless :func:`pause_gc` turned the collector off."""
     global _gc_paused
     if _gc_paused:
         _gc_paused = False

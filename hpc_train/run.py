@@ -391,8 +391,8 @@ class Run:
         self._agreement.all_reached(self.device)   # a peer that left fails this: no result.json then
         if self.is_main:
             rundir.write_json(self.run_dir / rundir.RESULT, out)
-            if self.config.log.tensorboard and (self.run_dir / "tb").is_dir():
-                log.info("TensorBoard logs: tensorboard --logdir %s", self.run_dir / "tb")
+            if self.config.log.tensorboard and (self.run_dir / rundir.TB).is_dir():
+                log.info("TensorBoard logs: tensorboard --logdir %s", self.run_dir / rundir.TB)
         self.finished, self._result = True, out
         self.stop.ignore_further()
         return out

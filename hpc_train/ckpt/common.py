@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from hpc_train import rundir
 from hpc_train.ckpt import store
 from hpc_train.ckpt.state import is_plain
 from hpc_train.errors import UsageError
@@ -26,7 +27,7 @@ log = logging.getLogger("hpc_train")
 # DCP says so on every single-process save/load; that is the intent here, so it is noise.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-APP_FILE = "app.pt"   # rank 0's copy of the replicated non-DCP entries (schedulers, plain values)
+APP_FILE = rundir.APP_STATE   # rank 0's copy of the replicated non-DCP entries (schedulers, plain values)
 
 
 def dir_for(run_dir: Path, step: int) -> Path:

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from hpc_train import rundir
 from hpc_train.config import Config
 from hpc_train.errors import UsageError
 
@@ -52,8 +53,8 @@ def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list
 
 def check_resume_changes(run_dir: Path, new: Config, warn) -> None:
     """Before any worker starts: compare with the config the run's checkpoints were made with."""
-    old_path = Path(run_dir) / "config.yaml"
-    if not old_path.is_file() or not any((Path(run_dir) / "checkpoints").glob("step-*/commit.json")):
+    old_path = Path(run_dir) / rundir.CONFIG
+    if not old_path.is_file() or not any((Path(run_dir) / rundir.CHECKPOINTS).glob(f"step-*/{rundir.COMMIT}")):
         return
     try:
         old = yaml.safe_load(old_path.read_text()) or {}

@@ -3,8 +3,9 @@
 Rank 0 chooses (complete by sizes) and the other ranks take its choice; each rank checks the
 checksums of what it loads as it reads it (:mod:`hpc_train.ckpt.safe`), so no byte is read
 twice. If the chosen checkpoint fails to load (or to verify) on any rank, every rank moves on
-together to the next older complete one, until one loads or none is left. A rank that failed alone would otherwise sit in its next collective while the
-others wait in theirs: a hang until ``dist.timeout_s``.
+together to the next older complete one, until one loads or none is left. A rank that failed
+alone would otherwise sit in its next collective while the others wait in theirs: a hang until
+``dist.timeout_s``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_train import rundir
 from hpc_train.ckpt import load as checkpoint
 from hpc_train.ckpt import store
 from hpc_train.errors import CheckpointError
@@ -51,7 +53,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
             failed = torch.tensor([float(error is not None)], device=device)
             dist.all_reduce(failed)
             if error is None and failed.item() > 0:
-                error = CheckpointError(f"another rank could not load {source.path}; see {Path(run_dir) / 'logs'}")
+                error = CheckpointError(f"another rank could not load {source.path}; see {Path(run_dir) / rundir.LOGS}")
         if error is None:
             break
         older = None
@@ -87,7 +89,7 @@ def _agree_on(chosen: store.CkptInfo | None, run_dir: Path, rank: int, device: t
     if failed.item() > 0:
         if error is not None:
             raise error
-        raise CheckpointError(f"rank 0 could not choose a checkpoint to resume; see {Path(run_dir) / 'logs'}")
+        raise CheckpointError(f"rank 0 could not choose a checkpoint to resume; see {Path(run_dir) / rundir.LOGS}")
     buf = torch.zeros(_PATH_BYTES, dtype=torch.uint8, device=device)
     if is_main and chosen is not None:
         raw = str(chosen.path).encode()

@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_train import rundir
 from hpc_train.ckpt import checksum
 from hpc_train.ckpt.checksum import file_checksum  # noqa: F401 - part of this module's API
 from hpc_train.errors import UsageError
 
-COMMIT = "commit.json"
+COMMIT = rundir.COMMIT
 METADATA = ".metadata"
 CHECKSUM = checksum.CRC32C  # the algorithm write_commit records; see hpc_train.ckpt.checksum
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -61,7 +62,7 @@ class CkptInfo:
 
 
 def ckpt_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / rundir.CHECKPOINTS
 
 
 def _is_int(v: Any) -> bool:
@@ -197,7 +198,7 @@ def moved_aside(run_dir: Path) -> list[Path]:
 
 
 def is_finished(run_dir: Path) -> bool:
-    return (Path(run_dir) / "result.json").exists()
+    return (Path(run_dir) / rundir.RESULT).exists()
 
 
 @dataclass
@@ -241,7 +242,7 @@ def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn
         if infos:
             ckpt_root(run_dir).rename(aside)
         if is_finished(run_dir):
-            (run_dir / "result.json").rename(run_dir / f"result.old-{stamp}.json")
+            (run_dir / rundir.RESULT).rename(run_dir / f"result.old-{stamp}.json")
         return ResumePlan(None, moved_aside=aside if infos else None)
     if mode != "latest":
         path = Path(mode)

@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+from hpc_train import rundir
 from hpc_train.ckpt import store as resume
 from hpc_train.errors import UsageError
 
@@ -36,7 +37,7 @@ def _keep_skipped(run_dir: Path) -> int:
     """The run's checkpoint.keep_skipped (its config.yaml), else the default."""
     from hpc_train import config
     try:
-        return config.load(run_dir / "config.yaml").checkpoint.keep_skipped
+        return config.load(run_dir / rundir.CONFIG).checkpoint.keep_skipped
     except (UsageError, OSError):
         return config.CheckpointSection().keep_skipped
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpc_train import rundir
 from hpc_train.errors import EXIT_USAGE, UsageError
 from hpc_train.login import scheduler
 from hpc_train.login.submission import dry_run_text, make_executor, refusal, submit
@@ -37,8 +38,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         return 0
     job = submit(cfg, run_dir=rd, resume=args.resume)
-    print(f"submitted job {job.job_id}\n  run directory: {rd}\n  logs: {rd / 'logs'}/rank-*.log "
-          f"(submitit's: {rd / 'submitit'})\n  follow: python -m hpc_train logs {rd} -f")
+    print(f"submitted job {job.job_id}\n  run directory: {rd}\n  logs: {rd / rundir.LOGS}/rank-*.log "
+          f"(submitit's: {rd / rundir.SUBMITIT})\n  follow: python -m hpc_train logs {rd} -f")
     if not args.wait:
         return 0
     states = scheduler.wait([str(job.job_id)], on_change=lambda s: print(

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpc_train import rundir
 from hpc_train.errors import says_peer_lost
 
 GRACE_S = 10.0   # after a failure, how long the surviving ranks get to exit before SIGKILL (they cannot save: a save needs every rank)
@@ -136,7 +137,7 @@ def _first_error(run_dir: Path, rank: int, code: int | None = None) -> str:
     """The error's first paragraph (a script's failure: rank, host and its last lines; a
     Python error: its one-line summary, not the traceback under it). A rank that recorded none
     is described by how it ended (``code``: its exit status)."""
-    err = run_dir / "logs" / f"rank-{rank}.error"
+    err = rundir.rank_error(run_dir, rank)
     try:
         text = err.read_text().split("\n\n")[0].strip()
     except OSError:
@@ -183,7 +184,7 @@ def _name_frozen(run_dir: Path, procs: list[subprocess.Popen], rank: int, age: f
     from hpc_train.node import watchdog
     msg = watchdog.describe(run_dir, rank, age)
     print(f"hpc_train: {msg}; ending the run", file=sys.stderr, flush=True)
-    (run_dir / "logs" / f"rank-{rank}.error").write_text(f"WatchdogError: {msg}\n")
+    rundir.rank_error(run_dir, rank).write_text(f"WatchdogError: {msg}\n")
     _signal_all(procs, watchdog.DUMP_SIGNAL)
     _signal_all(procs, signal.SIGCONT)
     time.sleep(1.0)
@@ -198,7 +199,8 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     the run ends. ``lock_fd``: the run directory's lock, held by every worker too."""
     from hpc_train.node import watchdog
     # An earlier launch's error files and heartbeat records (which say how each rank ended) are not this one's.
-    for stale in [*(run_dir / "logs").glob("rank-*.error"), *(run_dir / "logs" / ".heartbeat").glob("rank-*")]:
+    for stale in [*(run_dir / rundir.LOGS).glob("rank-*.error"),
+                  *(run_dir / rundir.LOGS / rundir.HEARTBEAT_DIR).glob("rank-*")]:
         stale.unlink()
     started = time.time()
     try:
@@ -270,11 +272,11 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         how = "stopped responding" if code is None else \
             f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         print(f"hpc_train: worker rank {rank} failed ({how}): {_first_error(run_dir, rank, code)}\n"
-              f"hpc_train: full log: {run_dir / 'logs' / f'rank-{rank}.log'}", file=sys.stderr)
+              f"hpc_train: full log: {rundir.rank_log(run_dir, rank)}", file=sys.stderr)
         return 1
-    stopped = run_dir / "stopped.json"
+    stopped = run_dir / rundir.STOPPED
     ended_by_stop = failed is None and stopped.exists() and stopped.stat().st_mtime >= started and \
-        not (run_dir / "result.json").exists()
+        not (run_dir / rundir.RESULT).exists()
     if interrupts["n"] or ended_by_stop:
         # A stop that did not come through this launcher (a SIGTERM sent to one worker, a
         # request_stop() in the code) ends the run unfinished too: say so, and exit non-zero.

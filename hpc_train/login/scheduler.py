@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_train import rundir
 from hpc_train.config import JobSection, time_minutes
 from hpc_train.rundir import write_atomic
 from hpc_train.errors import UsageError, closest
@@ -93,14 +94,14 @@ def tasks_per_node(job: JobSection) -> int:
 
 # -- the run directory's record of its jobs ------------------------------------------------
 def record_job(run_dir: Path, job_id: str, how: str, **extra: Any) -> None:
-    path = Path(run_dir) / "job.json"
+    path = Path(run_dir) / rundir.JOB
     rec = json.loads(path.read_text()) if path.exists() else {"jobs": []}
     rec["jobs"].append({"job_id": job_id, "submitted": time.time(), "via": how, **extra})
     write_atomic(path, json.dumps(rec, indent=2))
 
 
 def job_ids(run_dir: Path) -> list[str]:
-    path = Path(run_dir) / "job.json"
+    path = Path(run_dir) / rundir.JOB
     if not path.exists():
         return []
     return [j["job_id"] for j in json.loads(path.read_text())["jobs"]]

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_train import rundir
 from hpc_train.login import hook as requeue
 from hpc_train.login import scheduler
 from hpc_train.config import Config
@@ -253,7 +254,7 @@ def resubmit_failed(args: argparse.Namespace) -> int:
         print(f"nothing to resubmit in {sweep_dir}: no task failed, was cancelled or timed out unfinished")
         return 0
     # Each task's config.yaml is the whole resolved config it ran with: the resubmission is the same run.
-    cfgs = [config_mod.load(Path(r.run_dir) / "config.yaml") for r in redo]
+    cfgs = [config_mod.load(Path(r.run_dir) / rundir.CONFIG) for r in redo]
     for c, r in zip(cfgs, redo):
         c.run_dir = r.run_dir
     if args.array_parallelism < 1:

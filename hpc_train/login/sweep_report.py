@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_train import rundir
 from hpc_train.login import scheduler
 from hpc_train.errors import UsageError
 from hpc_train.rundir import RESULT
@@ -46,7 +47,7 @@ class TaskRow:
         return not self.finished and self.state in UNFINISHED_STATES
 
 
-MANIFEST = "sweep.json"
+MANIFEST = rundir.SWEEP_MANIFEST
 
 
 def read_manifest(sweep_dir: Path) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def latest_job(task: dict[str, Any]) -> str | None:
 
 
 def _records(run_dir: Path, tail: bool) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / rundir.METRICS
     try:
         with path.open("rb") as f:
             if tail:

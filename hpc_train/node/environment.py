@@ -28,6 +28,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hpc_train import rundir
 from hpc_train.errors import UsageError, show
 
 # Derived ports live here; below 1024 is privileged, above ~60999 is the usual ephemeral range.
@@ -214,7 +215,7 @@ def _from_slurm(env: Mapping[str, str]) -> NodeEnv:
 
 def derive(env: Mapping[str, str]) -> NodeEnv:
     """Map an environment (``os.environ`` or a dict) to this process's place in the job."""
-    if env.get("HPC_TRAIN_LAUNCHER") == "local":
+    if env.get(rundir.LAUNCHER_ENV) == "local":
         return _from_rank_vars(env, "local")
     if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
         return _from_rank_vars(env, "torchrun")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_train import rundir
 from hpc_train.errors import UsageError, show
 from hpc_train.logs import truncate_jsonl
 
@@ -41,13 +42,13 @@ class Monitor:
         self._tb = None
         if not enabled:
             return
-        self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_path = run_dir / rundir.METRICS
         truncate_jsonl(self.metrics_path, start_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step drops events at or after the resume step: no doubled segments.
-            self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
-            self.tb_dir = run_dir / "tb"
+            self._tb = SummaryWriter(str(run_dir / rundir.TB), purge_step=start_step + 1 if start_step else None)
+            self.tb_dir = run_dir / rundir.TB
         mode = progress if progress != "auto" else ("bar" if sys.stderr.isatty() else "lines")
         if mode == "bar":
             from tqdm import tqdm

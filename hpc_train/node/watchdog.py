@@ -75,7 +75,7 @@ def _write_record(path: Path, **extra: str) -> None:
 def launch_id() -> str:
     """The same string on every rank of one launch, and another on the next launch (a requeue, a
     restart, the next ``run``): a record left by an earlier launch is never taken for this one's."""
-    keys = ("HPC_TRAIN_LAUNCHED_AT", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT",
+    keys = (rundir.LAUNCHED_AT_ENV, "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT",
             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
     return "/".join(os.environ.get(k, "") for k in keys)
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from hpc_train import rundir
 from hpc_train.trainer import data as data_mod
 from hpc_train.trainer import models
 from hpc_train.node import strategies
@@ -207,7 +208,7 @@ class Trainer:
                   "train_loss": p.last_loss, "test_accuracy": p.last_eval_acc, "test_loss": p.last_eval_loss,
                   "steps": st["step"], "epochs": self.loader.epochs_done, "wall_seconds": time.time() - self.t_start,
                   "world_size": run.world_size, "effective_batch_size": global_batch,
-                  "total_steps": self.total_steps, "tb_dir": str(run.run_dir / "tb"), "progress": asdict(p)}
+                  "total_steps": self.total_steps, "tb_dir": str(run.run_dir / rundir.TB), "progress": asdict(p)}
         if not stopped:
             result = run.finish(result)
             result["checkpoint_saves"] = run.checkpoint_stats
