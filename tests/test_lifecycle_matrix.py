@@ -131,6 +131,9 @@ def test_every_guarantee_on_every_local_path(path, tmp_path):
             os.killpg(first.pid, signal.SIGKILL)
     assert code != 0, err[-3000:]
     assert HINTS[path] in err, err[-3000:]
+    if path.startswith("run-"):   # what the launcher says it does with the signal, true for the path
+        said = "sending SIGTERM to every rank's script" if path == "run-script" else "asking every rank to stop"
+        assert said in err, err[-3000:]
     if path == "torchrun":
         assert "torch.distributed.run" in err.split("resume with:")[1].splitlines()[0], err[-3000:]
     stopped = json.loads((rd / "stopped.json").read_text())

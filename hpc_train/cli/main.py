@@ -215,7 +215,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
               f"{plan.describe(_own_code(cfg))}", file=sys.stderr)
         return launch.launch(args.nproc, path, run_dir, resume=plan.env_value(), port=port,
-                             hang_s=cfg.dist.timeout_s, lock_fd=lock.fd)
+                             hang_s=cfg.dist.timeout_s, lock_fd=lock.fd, script=bool(cfg.train.script))
     finally:
         lock.release()
 

@@ -191,12 +191,13 @@ def _name_frozen(run_dir: Path, procs: list[subprocess.Popen], rank: int, age: f
 
 
 def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest", port: int | None = None,
-           hang_s: float = 600.0, lock_fd: int | None = None) -> int:
+           hang_s: float = 600.0, lock_fd: int | None = None, script: bool = False) -> int:
     """Start, supervise and reap the workers. Returns the exit code for the CLI.
 
     ``hang_s`` (``dist.timeout_s``): a rank whose heartbeat is older than this has stopped
     responding (see :mod:`hpc_train.watchdog`); it is named, every rank writes its stack, and
-    the run ends. ``lock_fd``: the run directory's lock, held by every worker too."""
+    the run ends. ``lock_fd``: the run directory's lock, held by every worker too. ``script``: the
+    workers run a ``--script`` (a stop reaches it as SIGTERM; the message says so)."""
     from hpc_train.node import watchdog
     # An earlier launch's error files and heartbeat records (which say how each rank ended) are not this one's.
     for stale in [*(run_dir / rundir.LOGS).glob("rank-*.error"),
@@ -215,8 +216,10 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         interrupts["n"] += 1 if signum != signal.SIGQUIT else 2   # Ctrl-\\: abort at once, as a second Ctrl-C
         interrupts["sig"] = interrupts["sig"] or signum
         if interrupts["n"] == 1:
-            print(f"\nhpc_train: {signal.Signals(signum).name}: asking every rank to stop after its "
-                  f"current step (press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+            how = ("sending SIGTERM to every rank's script (a script using hpc_train.init() stops after its "
+                   "current step)" if script else "asking every rank to stop after its current step")
+            print(f"\nhpc_train: {signal.Signals(signum).name}: {how} (press Ctrl-C again to abort at once)",
+                  file=sys.stderr, flush=True)
             _signal_all(procs, signal.SIGTERM)
         else:
             _signal_all(procs, signal.SIGKILL)
