@@ -109,7 +109,31 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
         raise SystemExit(2)
     run = start(s, device, owns_group=owns)
     atexit.register(_at_exit, run)
+    _report_lost_peers(run)
     return run
+
+
+def _report_lost_peers(run: Run) -> None:
+    """An uncaught error of a collective whose peer went away ends a user's program with one
+    line naming the peer (its traceback goes to the rank's log), not gloo's raw traceback: the
+    rank that printed it is a victim, and the culprit is elsewhere."""
+    from hpc_train.errors import says_peer_lost
+    from hpc_train.node import watchdog
+    default = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        if isinstance(value, RuntimeError) and says_peer_lost(str(value)):
+            import traceback
+            line = watchdog.lost_peer_line(str(value), run.run_dir, run.world_size, run.rank)
+            try:   # the traceback, for a bug report, where the worker keeps its own
+                rundir.rank_error(run.run_dir, run.rank).write_text(
+                    f"{line}\n\n{''.join(traceback.format_exception(kind, value, tb))}")
+            except OSError:
+                pass
+            print(f"hpc_train: rank {run.rank} on {os.uname().nodename}: {line}", file=sys.stderr)
+            return
+        default(kind, value, tb)
+    sys.excepthook = hook
 
 
 def _prepare(s: session_mod.Session, under_launcher: bool, resume: str) -> str | None:

@@ -159,3 +159,27 @@ def test_every_guarantee_on_every_local_path(path, tmp_path):
     assert len(lines) == 1 and "nothing to do" in lines[0] and "starts over" in lines[0], err[-3000:]
     assert "Traceback" not in err
     assert snapshot(rd) == before_files, "the finished run's directory changed"
+
+
+@pytest.mark.slow
+def test_a_lost_peer_is_one_line_naming_it_under_torchrun(tmp_path):
+    """kill -9 of rank 1 under torchrun: rank 0's failed collective is reported in one line that
+    names rank 1, its pid and host, not gloo's raw traceback (issue: "Connection reset by peer")."""
+    rd = run_dir_of("torchrun", tmp_path)
+    argv, env, cwd = command("torchrun", tmp_path, rd, slow=True)
+    p = start(argv, env, cwd)
+    try:
+        wait_for_step(rd, 3, p)
+        pid = json.loads((rd / "logs" / ".heartbeat" / "rank-1").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        code, err = finish(p)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert code != 0
+    lines = [ln for ln in err.splitlines() if "lost a peer" in ln]
+    assert len(lines) == 1 and f"rank 1 (pid {pid} on {socket.gethostname()}) exited" in lines[0], err[-4000:]
+    assert lines[0].startswith("hpc_train: rank 0 on "), lines
+    rest = err.replace(lines[0], "")
+    assert "Connection reset by peer" not in rest and "Connection closed by peer" not in rest, err[-4000:]
+    assert "lost a peer" in (rd / "logs" / "rank-0.error").read_text()

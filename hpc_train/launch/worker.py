@@ -60,7 +60,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     except BaseException as e:
         if isinstance(e, ScriptFailed):    # its error file is written, naming rank and host
             raise
-        line = _one_line(e)
+        line = _one_line(e, rd, env)
         # A one-file summary the launcher shows when this rank dies (like torchelastic's error file):
         # the line, then the traceback for a bug report.
         try:
@@ -78,7 +78,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
         s.close()   # a no-op where the Run or the script's end closed it already
 
 
-def _one_line(e: BaseException) -> str | None:
+def _one_line(e: BaseException, rd: Path, env: environment.NodeEnv) -> str | None:
     """The one line that says it all, for failures that are not bugs; None for anything else."""
     if isinstance(e, OSError):      # a full or read-only disk: which file, and what to do
         from hpc_train.errors import os_error_line
@@ -89,11 +89,9 @@ def _one_line(e: BaseException) -> str | None:
         from hpc_train.node.watchdog import memory_limits
         limits = memory_limits()
         return f"MemoryError: out of memory{f' (the memory limit in force is {limits})' if limits else ''}"
-    text = str(e)
     if _peer_lost(e):
         # A victim: another rank died or froze, and this one's collective failed. Not a bug here.
-        first = next((ln.strip() for ln in text.splitlines() if says_peer_lost(ln)), text)
-        return f"lost a peer ({first[:300]})"
+        return watchdog.lost_peer_line(str(e), rd, env.world_size, env.rank)
     return None
 
 

@@ -123,6 +123,47 @@ def peer_left_for_stop(run_dir: Path, world_size: int, rank: int) -> bool:
     return any(_read_record(run_dir, r).get("left") == "stop" for r in range(world_size) if r != rank)
 
 
+def lost_peer(run_dir: Path, world_size: int, rank: int, wait_s: float = 3 * BEAT_S) -> str | None:
+    """Which peer this rank lost, for the one line that reports a failed collective: a peer of
+    this launch whose process is gone (on this host), or whose heartbeat stopped (elsewhere);
+    waits up to ``wait_s`` for a dead peer's heartbeat to go stale. None when none is found."""
+    me = launch_id()
+    deadline = time.time() + wait_s
+    while True:
+        now = time.time()
+        for r in range(world_size):
+            h = _read_record(run_dir, r)
+            if r == rank or h.get("launch") != me or h.get("left") == "stop" or "ended" in h:
+                continue
+            host, pid = holder(run_dir, r)
+            if host == socket.gethostname() and pid is not None:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    return f"rank {r} (pid {pid} on {host}) exited"
+                except OSError:
+                    pass
+                continue
+            try:
+                age = now - rundir.heartbeat_path(run_dir, r).stat().st_mtime
+            except OSError:
+                continue
+            if age > 2 * BEAT_S + 1:
+                return f"rank {r} (pid {pid} on {host}) stopped beating {age:.0f}s ago"
+        if now >= deadline:
+            return None
+        time.sleep(0.2)
+
+
+def lost_peer_line(error: str, run_dir: Path, world_size: int, rank: int) -> str:
+    """The one line for a collective that failed because a peer went away: which peer, then the
+    transport's own first line about it (gloo's "Connection reset by peer", a store timeout)."""
+    from hpc_train.errors import says_peer_lost
+    first = next((ln.strip() for ln in error.splitlines() if says_peer_lost(ln)), error.strip())
+    who = lost_peer(run_dir, world_size, rank)
+    return f"lost a peer: {who or 'a peer left (not named by its heartbeat)'} ({first[:300]})"
+
+
 def enable_stack_dumps(log_path: Path) -> None:
     """On :data:`DUMP_SIGNAL`, write every thread's Python stack to ``log_path``."""
     global _dump_file
