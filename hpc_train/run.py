@@ -189,7 +189,8 @@ class Run:
         plan_error: Exception | None = None
         if self.is_main:
             try:
-                source = resume.plan(self.run_dir, "latest" if spec == "none" else spec, None, warn=log.warning).source
+                source = resume.plan(self.run_dir, "latest" if spec == "none" else spec, None, warn=log.warning,
+                                     requeued=self.env.restart_count > 0).source
             except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
                 plan_error = e
         source = self._agree_on(source, plan_error)
