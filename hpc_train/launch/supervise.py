@@ -20,7 +20,6 @@ No torch here: the supervisor adds a process per task, and should add nothing el
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import signal
@@ -62,7 +61,7 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
     script = Path(cfg.train.script)
     if (rd / rundir.RESULT).exists():
         log.info("%s holds a finished run (result.json); not running %s again", rd, script)
-        return json.loads((rd / rundir.RESULT).read_text())
+        return rundir.read_json(rd / rundir.RESULT)[0] or {}   # any bytes there: no traceback
     environment.log_placement(env)
     started = time.time()
     cmd = [sys.executable, "-u", str(script), *cfg.train.args]
@@ -71,7 +70,7 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
                             stderr=subprocess.PIPE)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     lock = threading.Lock()
-    logfile = open(rundir.rank_log(rd, env.rank), "ab")
+    logfile = rundir.open_append(rundir.rank_log(rd, env.rank), binary=True)   # never through a symlink
     threads = [threading.Thread(target=_tee, args=(pipe, out, logfile, tail, lock), daemon=True)
                for pipe, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
     for t in threads:
@@ -93,8 +92,8 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
     stop.ignore_further()
     if stop.requested:
         stopped = rd / rundir.STOPPED
-        handled = stopped.exists() and stopped.stat().st_mtime >= started and json.loads(stopped.read_text()).get(
-            "checkpoint")
+        handled = stopped.exists() and stopped.stat().st_mtime >= started and \
+            (rundir.read_json(stopped)[0] or {}).get("checkpoint")
         if not handled:     # the script never saw the stop through run.step_end
             record_stop(cfg.job, env, rd, stop, step=None, checkpoint=False)
         log.info("the script stopped (%s; it %s)", stop.name, _how(code))
@@ -102,7 +101,7 @@ def supervise(cfg: Config, env: NodeEnv, rd: Path, stop: StopRequest) -> dict[st
     if code != 0:
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
         msg = (f"rank {env.rank} on {os.uname().nodename}: {script} {_how(code)}; its last lines:\n{last}")
-        rundir.rank_error(rd, env.rank).write_text(msg + "\n")
+        rundir.write_atomic(rundir.rank_error(rd, env.rank), msg + "\n")
         log.error("%s", msg)
         raise ScriptFailed(msg)
     if env.rank == 0 and not (rd / rundir.RESULT).exists():

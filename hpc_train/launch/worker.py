@@ -10,7 +10,6 @@ needs neither torch nor a process group of its own.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -77,8 +76,8 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
         # the line, then the traceback for a bug report.
         try:
             (rd / "logs").mkdir(parents=True, exist_ok=True)
-            rundir.rank_error(rd, env.rank).write_text(f"{line or f'{type(e).__name__}: {e}'}\n\n"
-                                                       f"{traceback.format_exc()}")
+            rundir.write_atomic(rundir.rank_error(rd, env.rank), f"{line or f'{type(e).__name__}: {e}'}\n\n"
+                                                                 f"{traceback.format_exc()}")
         except OSError:
             pass    # the disk that failed may be this one; the console line below still says it
         if line is not None:
@@ -152,7 +151,7 @@ def _run(cfg: Config, env: environment.NodeEnv, rd: Path, stop: Any, target, arg
     if resume_mod.is_finished(rd):
         # A finished run never trains again, whether requeued or resubmitted.
         log.info("%s holds a finished run (result.json); not training again", rd)
-        return json.loads((rd / rundir.RESULT).read_text())
+        return rundir.read_json(rd / rundir.RESULT)[0] or {}   # any bytes there: no traceback
     goodput.mark("torch")
     environment.log_placement(env)
     device = distributed.init(env, cfg.dist)
