@@ -98,14 +98,46 @@ def own_start_time() -> float:
         return time.time()
 
 
+_NUMBERS = ("start", "end", "first_step", "load_s", "save_block_s", "redone_s", "redone_steps", "step_from",
+            "step_to", "exited")
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _problem(rec: dict[str, Any]) -> str | None:
+    """What is wrong with a parsed ledger's fields (every field read later), if anything."""
+    segs = rec.get("segments")
+    if not isinstance(segs, list):
+        return "has no list of segments"
+    if "first_submit" in rec and not _is_num(rec["first_submit"]):
+        return f"first_submit is {rec['first_submit']!r}, not a time"
+    for i, seg in enumerate(segs):
+        if not isinstance(seg, dict) or not _is_num(seg.get("start")):
+            return f"segment {i} is not an object with a numeric start"
+        bad = next((k for k in _NUMBERS if seg.get(k) is not None and not _is_num(seg[k])), None)
+        if bad is not None:
+            return f"segment {i}'s {bad} is {seg[bad]!r}, not a number"
+        if not isinstance(seg.get("marks", {}), dict):
+            return f"segment {i}'s marks is not an object"
+    return None
+
+
+def read(run_dir: Path) -> tuple[dict[str, Any], str | None]:
+    """The ledger, checked: (record, None); an empty one when there is none; (an empty one, what
+    is wrong) when ``goodput.json`` is damaged."""
+    from hpc_train.rundir import read_json
+    rec, problem = read_json(Path(run_dir) / FILE)
+    if rec is not None:
+        problem = _problem(rec)
+    if rec is None or problem is not None:
+        return {"segments": []}, problem
+    return rec, None
+
+
 def _read(run_dir: Path) -> dict[str, Any]:
-    try:
-        rec = json.loads((run_dir / FILE).read_text())
-        if isinstance(rec, dict) and isinstance(rec.get("segments"), list):
-            return rec
-    except (OSError, ValueError):
-        pass
-    return {"segments": []}
+    return read(run_dir)[0]
 
 
 def _first_submit(run_dir: Path, fallback: float) -> float:
@@ -121,7 +153,7 @@ def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, fl
     time). Read before the Monitor truncates the file."""
     times: dict[int, float] = {}
     try:
-        with open(metrics) as f:
+        with open(metrics, errors="replace") as f:   # any bytes: a bad line is skipped below
             for line in f:
                 try:
                     rec = json.loads(line)
@@ -147,7 +179,11 @@ class Ledger:
         self.path = Path(run_dir) / FILE
         self.run_dir = Path(run_dir)
         started = process_start_time()
-        self.rec = _read(self.run_dir)
+        self.rec, problem = read(self.run_dir)
+        if problem is not None:    # kept, out of the way; accounting starts again from here
+            import logging
+            from hpc_train.rundir import set_aside
+            set_aside(self.path, problem, logging.getLogger("hpc_train").warning)
         self.rec.setdefault("first_submit", _first_submit(self.run_dir, started))
         self.seg: dict[str, Any] = {"start": started, "first_step": None, "end": None, "load_s": 0.0,
                                     "save_block_s": 0.0, "redone_s": 0.0, "redone_steps": 0, "step_from": None,
@@ -207,8 +243,8 @@ def exited(run_dir: Path, since: float) -> None:
     a killed rank 0 that never wrote its end, count up to here). Never raises."""
     from hpc_train.rundir import write_atomic
     try:
-        rec = _read(Path(run_dir))
-        if rec["segments"] and float(rec["segments"][-1].get("start", 0)) >= since - 1.0:
+        rec, problem = read(Path(run_dir))
+        if problem is None and rec["segments"] and float(rec["segments"][-1].get("start", 0)) >= since - 1.0:
             rec["segments"][-1]["exited"] = time.time()
             write_atomic(Path(run_dir) / FILE, json.dumps(rec, indent=1))
     except (OSError, ValueError, TypeError):

@@ -33,13 +33,18 @@ PENDING = "requeue.pending"
 
 
 def _load(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / STATE
-    if path.exists():
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError:
-            pass
-    return {"counts": {c: 0 for c in CAUSES}, "events": []}
+    from hpc_train.rundir import read_json, set_aside
+    rec, problem = read_json(run_dir / STATE)
+    if rec is not None:
+        counts, events = rec.get("counts"), rec.get("events")
+        if not (isinstance(counts, dict) and all(isinstance(v, int) for v in counts.values())
+                and isinstance(events, list) and all(isinstance(e, dict) for e in events)):
+            problem = "has no counts per cause and list of events"
+    if problem is not None:     # kept aside; counting starts again (budgets may be used twice, never crash)
+        import logging
+        set_aside(run_dir / STATE, problem, logging.getLogger("hpc_train").warning)
+        rec = None
+    return rec or {"counts": {c: 0 for c in CAUSES}, "events": []}
 
 
 def _save(run_dir: Path, rec: dict[str, Any]) -> None:
@@ -100,7 +105,8 @@ def request(run_dir: Path, cause: str, target: str, restart: int, budgets: dict[
     rec["counts"][cause] = used + 1
     rec["events"].append({"key": key, "cause": cause, "step": step, "time": time.time(), "requeued": True})
     _save(run_dir, rec)
-    (run_dir / PENDING).write_text(json.dumps({"target": target, "cause": cause, "step": step}))
+    from hpc_train.rundir import write_atomic
+    write_atomic(run_dir / PENDING, json.dumps({"target": target, "cause": cause, "step": step}))
     limit = "unlimited" if budget < 0 else str(budget)
     return f"stopped by {cause} at step {step}; requeue {used + 1} of {limit} requested for {target}"
 

@@ -187,7 +187,8 @@ class Run:
         goodput.mark("restore")
         source = restore_mod.restore(state, self.run_dir, rank=self.rank, world_size=self.world_size,
                                      device=self.device, multi=self._multi, kinds=kinds,
-                                     spec=os.environ.get(rundir.RESUME_ENV, "latest"))
+                                     spec=os.environ.get(rundir.RESUME_ENV, "latest"),
+                                     requeued=self.env.restart_count > 0)
         self._start_step = state["step"] if source is not None else 0
         goodput.resume_gc()   # start-up ends here (a worker turned the collector off for it)
         ledger = self._ledger()

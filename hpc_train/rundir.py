@@ -10,6 +10,7 @@ it never trains again), ``requeue.json`` (budgets used), ``job.json`` (the Slurm
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,25 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
+        if path.is_dir() and not path.is_symlink():   # a directory where the record belongs
+            set_aside(path, "is a directory, not a record", logging.getLogger("hpc_train").warning)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def remove_record(path: Path) -> None:
+    """Remove a record that no longer applies (a file or a link: never what a link points to); a
+    directory in its place is set aside, with one warning, not deleted."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        set_aside(path, "is a directory, not a record", logging.getLogger("hpc_train").warning)
+        return
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        logging.getLogger("hpc_train").warning("could not remove %s: %s", path, e.strerror or e)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -103,7 +119,7 @@ class RunDirLock:
 
         from hpc_train.errors import UsageError
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)   # not inherited by child processes
+        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)   # not inherited by child processes
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -118,11 +134,10 @@ class RunDirLock:
         return self
 
     def holder(self) -> str:
-        try:
-            h = json.loads(self.path.read_text())
-            return f"{h.get('what', 'a run')} (pid {h['pid']} on host {h['host']})"
-        except (OSError, ValueError, KeyError, TypeError):
+        h, _ = read_json(self.path)
+        if h is None or "pid" not in h or "host" not in h:
             return "another process"
+        return f"{h.get('what', 'a run')} (pid {h['pid']} on host {h['host']})"
 
     def release(self) -> None:
         import os
@@ -146,19 +161,137 @@ def check_path(path: Path | str, what: str) -> None:
 
 
 def busy(run_dir: Path) -> str | None:
-    """Who holds the run directory's lock right now (a live run), or None. Only reads: a shared
-    lock taken and dropped on a read-only descriptor (status and dry runs leave the file as it is)."""
+    """Who holds the run directory's lock right now (a live run), or None. A probe that writes
+    nothing: a read-only open (never through a link: no run can hold one, ``acquire`` refuses
+    links) and a shared ``flock``, which fails only while a run holds the exclusive one."""
     import fcntl
     import os
+    import stat
     lock = RunDirLock(run_dir, "")
     try:
-        fd = os.open(lock.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:      # no lock file (never locked), or not a plain file: nothing holds it
+        fd = os.open(lock.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:      # none, a link, or unreadable: no run holds it
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
     except OSError:
         return lock.holder()
     finally:
-        os.close(fd)     # closing drops the shared lock
-    return None
+        os.close(fd)     # drops the probe's shared lock
+
+
+def open_nofollow(path: Path, flags: int) -> int:
+    """``os.open`` for writing into a run directory, never through a symbolic link (and never a
+    FIFO, device or directory in a record's place): a link planted there cannot make hpc_train
+    write to the file it points to. Refused with a :class:`UsageError` naming the file."""
+    import os
+    import stat
+
+    from hpc_train.errors import UsageError
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        import errno
+        if e.errno == errno.ELOOP:
+            raise UsageError(f"{path} is a symbolic link; hpc_train never writes through a link in a run directory: "
+                             f"remove it, or use another --run-dir") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):
+            raise UsageError(f"{path} is not a regular file; remove it, or use another --run-dir") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{path} is not a regular file; remove it, or use another --run-dir")
+    return fd
+
+
+def open_append(path: Path, binary: bool = False):
+    """A run-directory log (``metrics.jsonl``, a rank's log) opened for appending, through
+    :func:`open_nofollow`."""
+    import os
+    fd = open_nofollow(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    return os.fdopen(fd, "ab" if binary else "a")
+
+
+_MAX_RECORD = 64 << 20   # a record larger than this is damage, not something to read into memory
+
+
+def read_text(path: Path) -> tuple[str | None, str | None]:
+    """A run-directory file's text, taking whatever bytes are there: (text, None); (None, None)
+    when it does not exist; (None, what is wrong) when it cannot be read (a directory or FIFO
+    in its place, unreadable, too large). Bytes that are not UTF-8 become U+FFFD, so a reader
+    of lines sees a bad line, not an exception."""
+    import os
+    import stat
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or type(e).__name__})"
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return None, "is a directory, not a file"
+        if not stat.S_ISREG(st.st_mode):
+            return None, "is not a regular file"
+        if st.st_size > _MAX_RECORD:
+            return None, f"is {st.st_size} bytes, too large for a record"
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(_MAX_RECORD + 1)
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or type(e).__name__})"
+    finally:
+        os.close(fd)
+    return raw.decode("utf-8", errors="replace"), None
+
+
+_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true/false", type(None): "null"}
+
+
+def read_json(path: Path, expect: type = dict) -> tuple[Any, str | None]:
+    """A JSON record of the run directory, taking whatever bytes are there: (value, None) when it
+    parses and is an ``expect``; (None, None) when it does not exist; else (None, what is wrong:
+    empty, not JSON, the wrong type, a directory in its place...). Every reader of a run
+    directory's records goes through here, so none of them can raise on a damaged one; each
+    checks its own fields."""
+    text, problem = read_text(Path(path))
+    if text is None:
+        return None, problem
+    if not text.strip():
+        return None, "is empty"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None, "is not valid JSON"
+    if not isinstance(value, expect) or (expect is not bool and isinstance(value, bool)):
+        return None, f"holds {_TYPE_NAMES.get(type(value), type(value).__name__)}, not {_TYPE_NAMES.get(expect, expect.__name__)}"
+    return value, None
+
+
+def damaged_name(path: Path) -> Path:
+    """A free ``NAME.damaged-<time>[-n]`` beside ``path``, for what is set aside from it."""
+    import time
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = path.with_name(f"{path.name}.damaged-{stamp}"), 1
+    while aside.exists() or aside.is_symlink():
+        aside, n = path.with_name(f"{path.name}.damaged-{stamp}-{n}"), n + 1
+    return aside
+
+
+def set_aside(path: Path, problem: str, warn=None) -> Path | None:
+    """Move a damaged record out of the way (``NAME.damaged-<time>``), never deleting it, so the
+    run goes on without it; ``warn`` gets one line saying so. None if it could not be moved."""
+    path = Path(path)
+    aside: Path | None = damaged_name(path)
+    try:
+        path.rename(aside)
+    except OSError:
+        aside = None
+    if warn is not None:
+        where = f"moved to {aside.name}" if aside else "left in place (it could not be moved)"
+        warn(f"{path} {problem}; {where}, and the run goes on without it")
+    return aside

@@ -28,9 +28,10 @@ _PATH_BYTES = 4096   # a checkpoint path, broadcast as a fixed-size byte tensor 
 
 
 def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int, device: torch.device,
-            multi: bool, kinds: Mapping[str, str], spec: str) -> store.CkptInfo | None:
+            multi: bool, kinds: Mapping[str, str], spec: str, requeued: bool = False) -> store.CkptInfo | None:
     """Load the agreed checkpoint into ``state``; returns what was loaded, None when fresh.
-    ``spec``: ``latest``, ``none`` (the launcher already moved old checkpoints aside) or a path."""
+    ``spec``: ``latest``, ``none`` (the launcher already moved old checkpoints aside) or a path;
+    ``requeued``: a requeued job goes on from its own newest checkpoint, not a given path."""
     is_main = rank == 0
     source: store.CkptInfo | None = None
     plan_error: Exception | None = None
@@ -38,7 +39,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
         try:
             # Sizes only: each rank checks the checksums of what it loads as it reads it.
             source = store.plan(run_dir, "latest" if spec == "none" else spec, None, warn=log.warning,
-                                verify=False).source
+                                verify=False, requeued=requeued).source
         except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
             plan_error = e
     source = _agree_on(source, run_dir, rank, device, multi, plan_error)

@@ -21,8 +21,11 @@ Resume policy (``--resume``):
     start from scratch. Existing checkpoints are moved aside to ``checkpoints.old-<time>/``,
     never deleted or overwritten.
 ``PATH``
-    that checkpoint directory (must be complete). Once the run directory has its own
-    complete checkpoint, a requeued run resumes from that instead.
+    that checkpoint directory (must be complete and intact, else refused), or a run directory's
+    newest. It is loaded even when the run directory has newer checkpoints of its own (going
+    back: the newer ones are moved aside, never deleted, once this run saves). Only a *requeued*
+    job (Slurm's restart count above 0, where the batch script still names PATH) resumes from
+    its own newest checkpoint instead, so that a requeue never goes back to PATH.
 
 This module must stay free of torch: the CLI uses it before launching anything.
 """
@@ -223,12 +226,13 @@ class ResumePlan:
 
 
 def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn=None,
-         verify: bool = True) -> ResumePlan:
+         verify: bool = True, requeued: bool = False) -> ResumePlan:
     """Decide what to resume from. Raises :class:`UsageError` before anything is changed.
     ``verify``: also check the checksums of what is chosen (reads it whole), passing over
     damaged ones to the next older. ``signature``: the model signature the code that will load
     it records (the built-in trainer's: :mod:`hpc_train.trainer.signature`), checked before
-    loading."""
+    loading. ``requeued``: this is a requeued job's restart (an explicit PATH then yields to the
+    run directory's own newest checkpoint)."""
     run_dir = Path(run_dir)
     if is_finished(run_dir) and mode != "none":
         return ResumePlan(None, finished=True)
@@ -254,10 +258,13 @@ def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn
             if found is None:
                 raise UsageError(f"--resume {mode}: that run directory has no complete checkpoint")
             path = found.path
-        own = newest_complete(run_dir, warn, verify)
+        own = newest_complete(run_dir, warn, verify) if requeued else None
         if own is not None:          # a requeued run continues from its own newest save
             check_compatible(own, signature)
             return ResumePlan(own)
+        if not path.is_dir():
+            raise UsageError(f"--resume {mode}: not a directory (give a RUN_DIR/checkpoints/step-N directory or a "
+                             f"run directory)")
         info = inspect(path)
         if not info.complete:
             raise UsageError(f"--resume {mode}: checkpoint is not complete: {info.problem}")
@@ -309,7 +316,8 @@ def write_commit(path: Path, record: dict[str, Any], sums: dict[str, Any] | None
         items = {n: rows for n, rows in (sums or {}).get("items", {}).items() if n in files}
         record["checksums"] = {"algorithm": CHECKSUM, "files": files, **({"items": items} if items else {})}
     tmp = path / (COMMIT + ".tmp")
-    with open(tmp, "w") as f:
+    from hpc_train.rundir import open_nofollow
+    with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:   # not through a link
         json.dump(record, f, indent=2)
         f.flush()
         os.fsync(f.fileno())

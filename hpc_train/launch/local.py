@@ -184,7 +184,7 @@ def _name_frozen(run_dir: Path, procs: list[subprocess.Popen], rank: int, age: f
     from hpc_train.node import watchdog
     msg = watchdog.describe(run_dir, rank, age)
     print(f"hpc_train: {msg}; ending the run", file=sys.stderr, flush=True)
-    rundir.rank_error(run_dir, rank).write_text(f"WatchdogError: {msg}\n")
+    rundir.write_atomic(rundir.rank_error(run_dir, rank), f"WatchdogError: {msg}\n")
     _signal_all(procs, watchdog.DUMP_SIGNAL)
     _signal_all(procs, signal.SIGCONT)
     time.sleep(1.0)
@@ -284,8 +284,8 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         # A stop that did not come through this launcher (a SIGTERM sent to one worker, a
         # request_stop() in the code) ends the run unfinished too: say so, and exit non-zero.
         if ended_by_stop:
-            import json
-            rec = json.loads(stopped.read_text())
+            from hpc_train.rundir import read_json
+            rec = read_json(stopped)[0] or {}   # damaged: said as a stop without its details
             if rec.get("checkpoint"):
                 print(f"hpc_train: checkpoint saved at step {rec.get('steps')}; run the same command to resume",
                       file=sys.stderr)

@@ -23,7 +23,6 @@ No torch here: the supervisor adds a process per task, and should add nothing el
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import signal
@@ -95,7 +94,7 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
                             stderr=subprocess.PIPE, preexec_fn=watchdog.die_with_parent())
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     lock = threading.Lock()
-    logfile = open(rundir.rank_log(rd, env.rank), "ab")
+    logfile = rundir.open_append(rundir.rank_log(rd, env.rank), binary=True)   # never through a symlink
     threads = [threading.Thread(target=_tee, args=(pipe, out, logfile, tail, lock), daemon=True)
                for pipe, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
     for t in threads:
@@ -127,7 +126,7 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     if code != 0:
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
         msg = (f"rank {env.rank} on {os.uname().nodename}: {script} {_how(code)}; its last lines:\n{last}")
-        rundir.rank_error(rd, env.rank).write_text(msg + "\n")
+        rundir.write_atomic(rundir.rank_error(rd, env.rank), msg + "\n")
         log.error("%s", msg)
         raise ScriptFailed(msg)
     watchdog.say_ended(rd, env.rank, "finished")
@@ -147,9 +146,9 @@ def _stop_recorded_since(rd: Path, since: float, wait_s: float = 0.0) -> bool:
     while True:
         path = rd / rundir.STOPPED
         try:
-            if path.stat().st_mtime >= since and json.loads(path.read_text()).get("checkpoint"):
+            if path.stat().st_mtime >= since and (rundir.read_json(path)[0] or {}).get("checkpoint"):
                 return True
-        except (OSError, ValueError, AttributeError):
+        except OSError:
             pass
         if time.time() >= deadline:
             return False

@@ -8,15 +8,15 @@ found among ``runs/*``). Scheduler calls are batched across every job shown (see
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from hpc_train import rundir
 from hpc_train.login import scheduler
 from hpc_train.errors import UsageError
-from hpc_train.logs import read_metrics
+from hpc_train.logs import metrics_problem, read_metrics
 
 
 def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
@@ -38,13 +38,22 @@ def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
     raise UsageError(f"{target!r} is neither a run directory nor a Slurm job id")
 
 
-def _budget_line(run_dir: Path) -> str:
-    path = run_dir / "requeue.json"
-    if not path.exists():
+def _budget_line(run_dir: Path, unread: list[str]) -> str:
+    from hpc_train import requeue, rundir
+    rec, problem = rundir.read_json(run_dir / requeue.STATE)
+    counts = rec.get("counts") if rec is not None else None
+    if rec is not None and not (isinstance(counts, dict) and all(isinstance(v, int) for v in counts.values())):
+        problem = "has no counts per cause"
+    if problem is not None:
+        unread.append(f"{requeue.STATE} {problem}")
         return ""
-    rec = json.loads(path.read_text())
-    counts = ", ".join(f"{k} {v}" for k, v in rec.get("counts", {}).items())
-    return f"requeues: {counts}" if counts else ""
+    text = ", ".join(f"{k} {v}" for k, v in (counts or {}).items())
+    return f"requeues: {text}" if text else ""
+
+
+def _num(v: object) -> str:
+    """A logged value as status shows it: a number to 4 places, anything else as it is."""
+    return f"{v:.4f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -65,34 +74,48 @@ def cmd_status(args: argparse.Namespace) -> int:
                       f"restarts {st.restarts}{extra}")
         if run_dir is None:
             continue
+        # What cannot be read is named at the end; everything else is still shown.
+        unread: list[str] = []
+        problem = scheduler.job_problem(run_dir)
+        if problem is not None:
+            unread.append(f"job.json {problem}")
         if not ids:
-            print(f"  local run: {_local_state(run_dir)}")
-        elif not (run_dir / "result.json").exists():
+            print(f"  local run: {_local_state(run_dir, unread)}")
+        elif not (run_dir / rundir.RESULT).exists():
             print(f"  if it stops: {resume_point(run_dir)}")
-        steps = [m for m in read_metrics(run_dir) if "loss" in m]
+        problem = metrics_problem(run_dir)
+        if problem is not None:
+            unread.append(f"metrics.jsonl {problem}")
+        records = read_metrics(run_dir)
+        steps = [m for m in records if "loss" in m]
         if steps:
             last = steps[-1]
             epoch = f", epoch {last['epoch']}" if "epoch" in last else ""
-            print(f"  last step {last['step']}{epoch}, loss {last['loss']:.4f}")
-        evals = [m for m in read_metrics(run_dir) if "eval_acc" in m]
+            print(f"  last step {last['step']}{epoch}, loss {_num(last['loss'])}")
+        evals = [m for m in records if "eval_acc" in m]
         if evals:
-            print(f"  last eval: accuracy {evals[-1]['eval_acc']:.4f} at step {evals[-1]['step']}")
+            print(f"  last eval: accuracy {_num(evals[-1]['eval_acc'])} at step {evals[-1]['step']}")
         if (run_dir / "result.json").exists():
             print("  finished: result.json written")
-        budget = _budget_line(run_dir)
+        budget = _budget_line(run_dir, unread)
         if budget:
             print(f"  {budget}")
         from hpc_train import goodput
-        if getattr(args, "goodput", False):
+        _, problem = goodput.read(run_dir)
+        if problem is not None:
+            unread.append(f"{goodput.FILE} {problem}")
+        elif getattr(args, "goodput", False):
             print("  " + goodput.table(run_dir).replace("\n", "\n  "))
         else:
             line = goodput.summary_line(run_dir)
             if line:
                 print(f"  {line}")
+        for what in unread:
+            print(f"  could not read: {what}")
     return 0
 
 
-def _local_state(run_dir: Path) -> str:
+def _local_state(run_dir: Path, unread: list[str]) -> str:
     """A run without a Slurm job: running (its lock is held), finished, stopped, or ended."""
     from hpc_train import rundir
     holder = rundir.busy(run_dir)
@@ -100,14 +123,19 @@ def _local_state(run_dir: Path) -> str:
         return f"running: {holder}"
     if (run_dir / rundir.RESULT).exists():
         return "finished"
-    stopped = run_dir / rundir.STOPPED
-    if stopped.exists():
-        try:
-            rec = json.loads(stopped.read_text())
-        except ValueError:
-            rec = {}
-        at = f" at step {rec['steps']}" if rec.get("steps") is not None else ""
-        return f"stopped{at} by {rec.get('stop_signal', 'a signal')}; {resume_point(run_dir)}"
+    rec, problem = rundir.read_json(run_dir / rundir.STOPPED)
+    if rec is not None:
+        steps, by = rec.get("steps"), rec.get("stop_signal")
+        if not (steps is None or (isinstance(steps, int) and not isinstance(steps, bool))):
+            problem = f"has steps {steps!r}, not a step number"
+        elif not (by is None or isinstance(by, str)):
+            problem = f"has stop_signal {by!r}, not a signal's name"
+    if problem is not None:
+        unread.append(f"{rundir.STOPPED} {problem}")
+        return f"stopped (its record is unreadable); {resume_point(run_dir)}"
+    if rec is not None:
+        at = f" at step {steps}" if steps is not None else ""
+        return f"stopped{at} by {by or 'a signal'}; {resume_point(run_dir)}"
     return f"not running (ended without a result: see logs/rank-*.error); {resume_point(run_dir)}"
 
 
@@ -131,7 +159,7 @@ def resume_point(run_dir: Path) -> str:
         age = f" (checkpoint {_age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
         return f"the same command resumes from step {newest.step}{age}"
     try:
-        train = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("train") or {}
+        train = (yaml.safe_load((run_dir / rundir.CONFIG).read_text()) or {}).get("train") or {}
         own_code = bool(train.get("script") or train.get("fn"))
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         own_code = False
@@ -150,16 +178,20 @@ def cmd_logs(args: argparse.Namespace) -> int:
         raise UsageError(f"logs: job {args.target} is not in any run directory under runs/; give the RUN_DIR")
     path = _log_path(run_dir, args.rank)
     if not args.follow:
-        if not path.exists():
+        from hpc_train.rundir import read_text
+        text, problem = read_text(path)
+        if problem is not None:
+            raise UsageError(f"logs: {path} {problem}")
+        if text is None:
             raise UsageError(f"logs: {path} does not exist yet (has rank {args.rank} started?)")
-        sys.stdout.write(path.read_text())
+        sys.stdout.write(text)
         return 0
     # Follow: print what exists, then poll for more until the job is final (backing off).
     pos, delay, last_query = 0, 0.2, 0.0
     try:
         while True:
-            if path.exists():
-                with path.open() as f:
+            if path.is_file():
+                with path.open(errors="replace") as f:
                     f.seek(pos)
                     chunk = f.read()
                     pos = f.tell()

@@ -9,6 +9,7 @@ heredoc, which the shell does not expand. No torch here.
 from __future__ import annotations
 
 import argparse
+import re
 import secrets
 import shlex
 import sys
@@ -79,10 +80,17 @@ class SbatchScript:
             "setup": "\n".join(job.setup), "python": q(sys.executable), "resume": q(self.resume),
             "after": self.after or "\n".join(requeue.after_srun_lines(q(sys.executable))),
         }
-        text = (TEMPLATES / f"{self.launcher}.sbatch").read_text()
-        for key, value in values.items():
-            text = text.replace("{{" + key + "}}", value)
-        return text
+        return render((TEMPLATES / f"{self.launcher}.sbatch").read_text(), values)
+
+
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+def render(template: str, values: dict[str, str]) -> str:
+    """Fill every ``{{name}}`` of ``template`` in one pass. A substituted value is never scanned
+    again: filled one placeholder after another, a value containing ``{{config_yaml}}`` (a job
+    name, say) would get a later value pasted into it, outside the quoting that value had."""
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:

@@ -52,9 +52,27 @@ MANIFEST = rundir.SWEEP_MANIFEST
 
 def read_manifest(sweep_dir: Path) -> dict[str, Any]:
     path = Path(sweep_dir) / MANIFEST
-    if not path.exists():
+    from hpc_train.rundir import read_json
+    rec, problem = read_json(path)
+    if rec is None and problem is None:
         raise UsageError(f"{sweep_dir} is not a sweep directory (no {MANIFEST}); give the --run-dir of a sweep")
-    return json.loads(path.read_text())
+    if rec is not None:
+        problem = _manifest_problem(rec)
+    if problem is not None:
+        raise UsageError(f"{path} {problem}; it is the sweep's index of tasks, and cannot be read without it")
+    return rec
+
+
+def _manifest_problem(rec: dict[str, Any]) -> str | None:
+    tasks = rec.get("tasks")
+    if not isinstance(tasks, list) or not isinstance(rec.get("submissions", []), list):
+        return "has no list of tasks and submissions"
+    for i, t in enumerate(tasks):
+        if not (isinstance(t, dict) and isinstance(t.get("index"), int) and isinstance(t.get("run_dir"), str)
+                and isinstance(t.get("overrides"), dict) and isinstance(t.get("jobs", []), list)
+                and all(isinstance(j, str) for j in t.get("jobs", []))):
+            return f"has task {i} without an index, run_dir, overrides and list of job ids"
+    return None
 
 
 def is_sweep(path: Path) -> bool:

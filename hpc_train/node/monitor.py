@@ -54,7 +54,8 @@ class Monitor:
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
         self.mode = mode
-        self._f = self.metrics_path.open("a")
+        from hpc_train.rundir import open_append
+        self._f = open_append(self.metrics_path)   # never through a symlink planted there
 
     def record(self, step: int, scalars: dict[str, float], *, epoch: int | None = None,
                console: bool = False) -> None:

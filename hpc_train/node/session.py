@@ -68,7 +68,7 @@ class Session:
         self._closed = True
         try:
             if self.is_main and finished:
-                (self.run_dir / rundir.STOPPED).unlink(missing_ok=True)
+                rundir.remove_record(self.run_dir / rundir.STOPPED)
             if self.is_main and record_goodput:
                 goodput.record_segment(self.run_dir, self.started)
         finally:

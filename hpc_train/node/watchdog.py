@@ -168,7 +168,7 @@ def enable_stack_dumps(log_path: Path) -> None:
     """On :data:`DUMP_SIGNAL`, write every thread's Python stack to ``log_path``."""
     global _dump_file
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    _dump_file = open(log_path, "a")  # noqa: SIM115 - must stay open for faulthandler
+    _dump_file = rundir.open_append(log_path)  # must stay open for faulthandler; never through a symlink
     faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True, chain=False)
 
 
@@ -225,7 +225,7 @@ def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str) 
                 continue
             msg = describe(run_dir, *found)
             log.error("%s; ending the job step", msg)
-            rundir.rank_error(run_dir, 0).write_text(f"WatchdogError: {msg}\n")
+            rundir.write_atomic(rundir.rank_error(run_dir, 0), f"WatchdogError: {msg}\n")
             import subprocess
             for sig in (str(int(DUMP_SIGNAL)), "CONT"):
                 subprocess.run(["scancel", f"--signal={sig}", job_step], capture_output=True, timeout=30)
