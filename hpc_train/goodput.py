@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-FILE = "goodput.json"
+from hpc_train import rundir
+
+FILE = rundir.GOODPUT
 PARTS = ("training", "redone", "start-up", "checkpoint", "exit", "between runs")
 
 
@@ -77,7 +79,7 @@ def resume_gc() -> None:
 def process_start_time() -> float:
     """When this job incarnation started: Slurm's job start, else this process's start (so
     interpreter start-up and imports count as start-up), else now."""
-    env = os.environ.get("SLURM_JOB_START_TIME") or os.environ.get("HPC_TRAIN_LAUNCHED_AT")
+    env = os.environ.get("SLURM_JOB_START_TIME") or os.environ.get(rundir.LAUNCHED_AT_ENV)
     if env:
         try:
             return float(env)
@@ -142,7 +144,7 @@ def _read(run_dir: Path) -> dict[str, Any]:
 
 def _first_submit(run_dir: Path, fallback: float) -> float:
     try:
-        return float(json.loads((run_dir / "job.json").read_text())["jobs"][0]["submitted"])
+        return float(json.loads((run_dir / rundir.JOB).read_text())["jobs"][0]["submitted"])
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return fallback
 
@@ -198,7 +200,7 @@ class Ledger:
         self.seg["step_from"] = step
         mark("loaded")
         self.seg["marks"].update({k: round(v, 3) for k, v in _marks.items()})
-        n, span, last = dropped_steps(self.run_dir / "metrics.jsonl", step)
+        n, span, last = dropped_steps(self.run_dir / rundir.METRICS, step)
         prev = self.rec["segments"][-2] if len(self.rec["segments"]) > 1 else None
         if prev is not None:
             if n:

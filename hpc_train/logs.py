@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpc_train import rundir
 from hpc_train.errors import UsageError
 from hpc_train.rundir import read_text
 
@@ -39,9 +40,9 @@ def setup_logging(rank: int, run_dir: Path | None, level: str = "INFO") -> None:
     console.setLevel(level if rank == 0 else "WARNING")
     log.addHandler(console)
     if run_dir is not None:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / rundir.LOGS).mkdir(parents=True, exist_ok=True)
         try:
-            fh = _RankFileHandler(run_dir / "logs" / f"rank-{rank}.log")
+            fh = _RankFileHandler(rundir.rank_log(run_dir, rank))
         except UsageError as e:    # a symlink in the log's place: said on the console, which every rank has
             log.error("%s", e)
             raise
@@ -95,14 +96,14 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of ``metrics.jsonl`` (objects with an integer ``step``); anything else there
     is skipped. Never raises: see :func:`metrics_problem` for a file that cannot be read."""
-    text, _ = read_text(Path(run_dir) / "metrics.jsonl")
+    text, _ = read_text(Path(run_dir) / rundir.METRICS)
     return [rec for line in (text or "").splitlines() if (rec := metric(line)) is not None]
 
 
 def metrics_problem(run_dir: Path) -> str | None:
     """What is wrong with ``metrics.jsonl``, if anything: it cannot be read (a directory in its
     place...), or lines of it are not records (a last line cut short by a kill aside)."""
-    text, problem = read_text(Path(run_dir) / "metrics.jsonl")
+    text, problem = read_text(Path(run_dir) / rundir.METRICS)
     if problem is not None or not text:
         return problem
     lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]

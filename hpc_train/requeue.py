@@ -27,9 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_train import rundir
+
 CAUSES = ("preemption", "timeout", "failure")
-STATE = "requeue.json"
-PENDING = "requeue.pending"
+STATE = rundir.REQUEUE
+PENDING = rundir.REQUEUE_PENDING
 
 
 def _load(run_dir: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpc_train import rundir
 from hpc_train.errors import EXIT_STOPPED
 from hpc_train.requeue import PENDING, _load, _save, budgets_of, request
 
@@ -46,7 +47,7 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
     from hpc_train import goodput
     goodput.exited(run_dir, goodput.job_start(env))   # every task of this job has exited (srun returned)
     pending = run_dir / PENDING
-    if (run_dir / "result.json").exists():
+    if (run_dir / rundir.RESULT).exists():
         pending.unlink(missing_ok=True)
         return "run finished; no requeue", 0
     if pending.exists():
@@ -91,7 +92,7 @@ def _own_target(env: dict[str, str]) -> str:
 
 def _budgets_from_config(run_dir: Path) -> dict[str, int]:
     from hpc_train import config
-    cfg = config.load(run_dir / "config.yaml")
+    cfg = config.load(run_dir / rundir.CONFIG)
     return budgets_of(cfg.job)
 
 

@@ -95,7 +95,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         evals = [m for m in records if "eval_acc" in m]
         if evals:
             print(f"  last eval: accuracy {_num(evals[-1]['eval_acc'])} at step {evals[-1]['step']}")
-        if (run_dir / "result.json").exists():
+        if (run_dir / rundir.RESULT).exists():
             print("  finished: result.json written")
         budget = _budget_line(run_dir, unread)
         if budget:
@@ -169,7 +169,7 @@ def resume_point(run_dir: Path) -> str:
 
 
 def _log_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / "logs" / f"rank-{rank}.log"
+    return rundir.rank_log(run_dir, rank)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

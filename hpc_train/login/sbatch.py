@@ -64,9 +64,9 @@ class SbatchScript:
         if job.exclusive:
             directives.append("#SBATCH --exclusive")
         config_yaml = self.cfg.to_yaml().rstrip("\n")
-        eof = "HPC_TRAIN_CONFIG_" + secrets.token_hex(4).upper()
+        eof = "END_OF_CONFIG_" + secrets.token_hex(4).upper()
         while eof in config_yaml:   # the heredoc must not end early
-            eof = "HPC_TRAIN_CONFIG_" + secrets.token_hex(4).upper()
+            eof = "END_OF_CONFIG_" + secrets.token_hex(4).upper()
         # torchrun forwards SIGTERM to its workers but dies of USR1/USR2; it gets TERM.
         signal = "TERM" if self.launcher == "torchrun" else job.signal
         values = {

@@ -96,7 +96,7 @@ def tasks_per_node(job: JobSection) -> int:
 # -- the run directory's record of its jobs ------------------------------------------------
 def _job_record(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """job.json, checked: (record, None), (None, None) when absent, (None, what is wrong)."""
-    rec, problem = read_json(Path(run_dir) / "job.json")
+    rec, problem = read_json(Path(run_dir) / rundir.JOB)
     if rec is not None:
         jobs = rec.get("jobs")
         if not isinstance(jobs, list) or not all(isinstance(j, dict) and isinstance(j.get("job_id"), str)

@@ -24,6 +24,7 @@ from typing import Any
 
 import shlex
 
+from hpc_train import rundir
 from hpc_train.login import hook as requeue
 from hpc_train.requeue import requested
 from hpc_train.login import scheduler
@@ -48,7 +49,7 @@ class SlurmEntry:
         worker = importlib.import_module("hpc_train.launch.worker")
         exit_done, exit_now, release_group, run_worker = (worker.exit_done, worker.exit_now,
                                                           worker.release_group, worker.run_worker)
-        os.environ.setdefault("HPC_TRAIN_RESUME", self.resume)
+        os.environ.setdefault(rundir.RESUME_ENV, self.resume)
         # submitit installed its own handler for its signal (rank-0-only checkpoint, then exit).
         # One component owns the stop signals: hpc_train's worker installs the job's; any other
         # that submitit took is ignored, so it cannot cut in.
@@ -82,7 +83,7 @@ def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str
     from hpc_train.login import executor
 
     job = cfg.job
-    ex = (executor.DryRunExecutor if dry_run else executor.Executor)(folder=str(run_dir / "submitit"),
+    ex = (executor.DryRunExecutor if dry_run else executor.Executor)(folder=str(run_dir / rundir.SUBMITIT),
                                                                       max_num_timeout=10**6)
     ex.header = header
     params: dict[str, Any] = dict(
@@ -167,7 +168,7 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
     ex = make_executor(cfg, rd, header=header(cfg, rd, fn, args))
     entry = SlurmEntry(cfg.to_dict(), str(rd), fn, args, resume=plan.env_value())
     job_obj = ex.submit(entry)
-    scheduler.record_job(rd, str(job_obj.job_id), "submitit", folder=str(rd / "submitit"))
+    scheduler.record_job(rd, str(job_obj.job_id), "submitit", folder=str(rd / rundir.SUBMITIT))
     # What was submitted, beside the run it made (submitit keeps its copy as submitit/<id>_submission.sh).
     rundir.write_atomic(rd / rundir.SUBMISSION, dry_run_text(ex))
     return job_obj
