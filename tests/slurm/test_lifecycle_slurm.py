@@ -15,7 +15,7 @@ from slurm_helpers import PY, ROOT
 pytestmark = pytest.mark.slurm
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "own_loop.py")
-STEPS = 60
+STEPS = 600
 
 
 def _sbatch(slurm, tmp: Path, name: str, sleep: str) -> str:
@@ -74,5 +74,5 @@ def test_plain_srun_of_an_own_loop_keeps_every_guarantee(slurm, tmp_path):
     fourth = _sbatch(slurm, tmp_path, "fourth", "0")
     assert slurm.wait_done(fourth, 180) == "COMPLETED"
     out4 = (tmp_path / "fourth.out").read_text()
-    assert out4.count("finished at step 60") == 1 and "nothing to do" in out4, out4[-3000:]
+    assert out4.count(f"finished at step {STEPS}") == 1 and "nothing to do" in out4, out4[-3000:]
     assert snapshot(rd) == before
