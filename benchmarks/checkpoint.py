@@ -15,11 +15,16 @@ model + Adam state is >= 200 MB, saved through the real ``hpc_train.ckpt.save.Ch
 * **load**: ``hpc_train.ckpt.load.load`` on both ranks (what a resume does), with the checkpoint's
   pages evicted from the page cache first (``posix_fadvise(DONTNEED)``, our files only) and warm.
 
-Each is repeated (``--repeats``) and the medians are printed, with the ratios the issue sets as
+Each is repeated (``--repeats`` rounds) and the medians are printed, with the ratios the issue sets as
 targets: async blocking / sync save <= 0.05; sync save throughput / disk bandwidth >= 0.7 (the
 bandwidth is the best of the 1, 2 and 4 writer figures, so the ratio is not flattered). Baselines
 with DCP's own defaults (``dcp.save`` / ``dcp.async_save`` with no writer or stager given) show
 what the Checkpointer's settings buy. Other processes on the machine add noise: see all runs.
+
+A round that crashes (a rank killed by a signal, or raising) takes its process group with it: it is
+reported (which round, the rank's exit code or signal, the last lines of its stderr), the rounds
+before it are kept, and a fresh set of ranks (with its own warm-up round) runs the rounds left.
+The figures say how many rounds they rest on; the exit status is 1 if any round failed.
 
     python benchmarks/checkpoint.py [--hidden 24576] [--repeats 7] [--dir DIR]
 """
@@ -37,6 +42,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reps import Reps, tail  # noqa: E402
 
 BLOCK = 16 * 2**20
 ROWS = [("sync_save", "sync DCP save (Checkpointer, blocking)", True),
@@ -97,6 +105,11 @@ def _write_fsync(path: Path, nbytes: int, block: bytes) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    # This rank's stderr (Python's and C++'s: an abort's message) into a file, whose tail is shown
+    # if the rank dies.
+    err = os.open(Path(args.dir) / f"rank-{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(err, 2)
+    os.close(err)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
                       HPC_TRAIN_LAUNCHER="local")
@@ -266,7 +279,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         dst = torch.zeros_like(src)          # pages touched: a copy into warm memory, as the stager's
         dst.copy_(src)
         t_copy = timed(lambda: dst.copy_(src))
-        del src, dst
+        src = dst = None                     # free them (the lambda above holds the names, not a copy)
         if rank == 0:
             for d in list(resume.ckpt_root(run_dir).iterdir()):
                 shutil.rmtree(d, ignore_errors=True)
@@ -274,9 +287,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             for k, v in zip(KEYS, (t, float(blocked), one, t_copy, t_ov - one, t_nov - one, total, t_raw, float(raw_blocked),
                                    t_ts, t_d1, t_d2, t_d4, t_cold, t_warm, t_crc, t_plain)):
                 res[k].append(v)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"results": res, "state_bytes": state_bytes, "ckpt_bytes": ckpt_bytes,
-                                         "torch": torch.__version__}))
+            if rank == 0:       # after every round: a later round's crash keeps this one's figures
+                tmp = Path(out).with_suffix(".tmp")
+                tmp.write_text(json.dumps({"results": res, "state_bytes": state_bytes, "ckpt_bytes": ckpt_bytes,
+                                           "torch": torch.__version__}))
+                os.replace(tmp, out)
     ck.close()
     ck_over.close()
     ck_plain.close()
@@ -297,13 +312,35 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(args.dir) if args.dir else Path("runs")
     base.mkdir(parents=True, exist_ok=True)
     args.dir = tempfile.mkdtemp(prefix="bench-ckpt-", dir=base)
-    out = Path(args.dir) / "result.json"
+    reps = Reps()
+    data: dict = {}
+    attempt = 0
     try:
-        mp.spawn(_worker, args=(args.nproc, _free_port(), args, str(out)), nprocs=args.nproc, join=True)
-        data = json.loads(out.read_text())
+        while (ran := reps.n_ok("round") + reps.n_failed("round")) < args.repeats:
+            attempt += 1
+            sub = argparse.Namespace(**{**vars(args), "dir": str(Path(args.dir) / f"attempt-{attempt}"),
+                                        "repeats": args.repeats - ran})
+            Path(sub.dir).mkdir()
+            out = Path(sub.dir) / "result.json"
+            try:
+                mp.spawn(_worker, args=(args.nproc, _free_port(), sub, str(out)), nprocs=args.nproc, join=True)
+                crash = None
+            except Exception as e:              # a rank died or raised: its process group is gone
+                crash = e
+            got = json.loads(out.read_text()) if out.exists() else None
+            kept = len(got["results"]["sync_save"]) if got else 0
+            for n in range(kept):
+                reps.run("round", ran + n + 1, lambda n=n: {k: got["results"][k][n] for k in KEYS})
+            data = got or data
+            if crash is not None or kept < sub.repeats:
+                reason, err = _crash_report(crash, Path(sub.dir), args.nproc)
+                reps.fail("round", ran + kept + 1, reason, err)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in data["results"].items()}
+    if not reps.n_ok("round"):
+        print(f"checkpoint benchmark: {reps.basis('round')}")
+        return reps.finish()
+    med = {k: reps.median("round", lambda r, k=k: r[k]) for k in KEYS}
     nb = data["ckpt_bytes"]
     mb = 1e6
     bws = {n: nb / med[f"disk_{n}"] for n in (1, 2, 4)}
@@ -311,11 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     sync_tp = nb / med["sync_save"]
     print(f"checkpoint benchmark: torch {data['torch']}, {args.nproc} gloo ranks, MLP hidden {args.hidden} + Adam: "
           f"state {data['state_bytes'] / mb:.0f} MB, DCP checkpoint on disk {nb / mb:.0f} MB; "
-          f"median of {args.repeats} (after 1 warm-up), directory {base.resolve()}")
+          f"{reps.basis('round')} rounds (after 1 warm-up per set of ranks), directory {base.resolve()}")
     print(f"{'measurement':64} {'median s':>9} {'MB/s':>8}   all runs (s)")
     for key, name, has_bytes in ROWS:
         sec = med[key]
-        runs = " ".join(f"{x:.3f}" for x in data["results"][key])
+        runs = " ".join(f"{x:.3f}" for x in reps.values("round", lambda r, k=key: r[k]))
         rate = f"{nb / sec / mb:8.0f}" if has_bytes else f"{'-':>8}"
         print(f"{name:64} {sec:9.3f} {rate}   {runs}")
     r1 = med["async_block"] / med["sync_save"]
@@ -331,7 +368,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sync save with checksums / without    = {r3:.3f}  (CRC-32 of every file at commit, on rank 0)")
     print(f"sync save throughput / disk bandwidth = {r2:.2f}   (target >= 0.7: {'met' if r2 >= 0.7 else 'MISSED'}; "
           f"{sync_tp / mb:.0f} MB/s vs the best disk figure, {bw / mb:.0f} MB/s)")
-    return 0
+    return reps.finish()
+
+
+def _crash_report(crash: BaseException | None, attempt_dir: Path, nproc: int) -> tuple[str, str]:
+    """(one line: which rank and how it ended, the last lines of its stderr) of a crashed round."""
+    import torch.multiprocessing as mp
+
+    rank = getattr(crash, "error_index", None)
+    if isinstance(crash, mp.ProcessExitedException):
+        how = f"killed by {crash.signal_name}" if crash.signal_name else f"exit {crash.exit_code}"
+        reason = f"rank {rank}: {how}"
+    elif isinstance(crash, mp.ProcessRaisedException):
+        return f"rank {rank} raised: {str(crash).strip().splitlines()[-1]}", tail(str(crash))
+    elif crash is not None:
+        reason = f"{type(crash).__name__}: {crash}".splitlines()[0]
+    else:
+        reason = "the ranks exited without writing every round's figures"
+    files = [attempt_dir / f"rank-{r}.stderr" for r in ([rank] if rank is not None else range(nproc))]
+    err = "\n".join(f"[rank {f.stem.split('-')[1]}]\n" + tail(f.read_text(errors="replace"))
+                    for f in files if f.exists() and f.stat().st_size)
+    return reason, err
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Wall time of the commands that do not train, as figures (the tests assert no speed: the
 machine they run on is shared, and a threshold there fails on load, not on a regression).
 
-Each figure is the median of ``--reps`` runs (default 5), printed with its min and max:
+Each figure is the median of ``--reps`` runs (default 5), printed with its min and max and how
+many runs it rests on (a run that fails is reported, left out, and counted; the exit status is 1
+if any failed):
 
 1. ``config.load`` of a YAML "billion laughs" file (refused at the first alias), in this process;
 2. ``python -m hpc_train --help`` and ``python -c pass`` (interpreter start-up, for scale);
@@ -29,6 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reps import RepFailed, Reps  # noqa: E402
+
+REPS = Reps()
 
 BILLION_LAUGHS = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
     f"{x}: &{x} [{', '.join([f'*{p}'] * 9)}]\n" for p, x in zip("abcdefgh", "bcdefghi"))
@@ -40,20 +46,32 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _timed_cmd(args: list[str], reps: int, ok: tuple[int, ...] = (0,)) -> list[float]:
-    out = []
-    for _ in range(reps):
+def _timed(name: str, reps: int, fn) -> str:
+    """Each of ``reps`` calls of ``fn`` timed as one repetition of the figure ``name``."""
+    def one():
         t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    for rep in range(1, reps + 1):
+        REPS.run(name, rep, one)
+    return name
+
+
+def _timed_cmd(name: str, args: list[str], reps: int, ok: tuple[int, ...] = (0,)) -> str:
+    def call() -> None:
         r = subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
-        out.append(time.perf_counter() - t)
         if r.returncode not in ok:
-            raise SystemExit(f"{' '.join(args)} failed ({r.returncode}): {r.stderr[-2000:]}")
-    return out
+            raise RepFailed(" ".join(args[1:4]), r.returncode, r.stderr)
+    return _timed(name, reps, call)
 
 
-def _show(name: str, times: list[float]) -> None:
+def _show(name: str) -> None:
+    times = REPS.values(name)
+    if not times:
+        print(f"{name:<44} {REPS.basis(name)}")
+        return
     print(f"{name:<44} median {statistics.median(times) * 1000:8.1f} ms   "
-          f"(min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f}, {len(times)} reps)")
+          f"(min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f}, {REPS.basis(name)})")
 
 
 def _run_dir(root: Path, i: int = 0, steps: int = 200) -> Path:
@@ -67,7 +85,7 @@ def _run_dir(root: Path, i: int = 0, steps: int = 200) -> Path:
     return rd
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
@@ -79,38 +97,36 @@ def main() -> None:
     try:
         bomb = tmp / "bomb.yaml"
         bomb.write_text(BILLION_LAUGHS)
-        times = []
-        for _ in range(a.reps):
-            t = time.perf_counter()
+
+        def refuse() -> None:
             try:
                 config.load(bomb)
             except UsageError:
-                pass
-            else:
-                raise SystemExit("the alias bomb was accepted")
-            times.append(time.perf_counter() - t)
-        _show("config.load(billion laughs) -> refused", times)
+                return
+            raise RuntimeError("the alias bomb was accepted")
+        _show(_timed("config.load(billion laughs) -> refused", a.reps, refuse))
 
-        _show("python -c pass", _timed_cmd([PY, "-c", "pass"], a.reps))
-        _show("python -m hpc_train --help", _timed_cmd([PY, "-m", "hpc_train", "--help"], a.reps))
+        _show(_timed_cmd("python -c pass", [PY, "-c", "pass"], a.reps))
+        _show(_timed_cmd("python -m hpc_train --help", [PY, "-m", "hpc_train", "--help"], a.reps))
         rd = _run_dir(tmp / "local")
-        _show("status RUN_DIR (local run)", _timed_cmd([PY, "-m", "hpc_train", "status", str(rd)], a.reps))
+        _show(_timed_cmd("status RUN_DIR (local run)", [PY, "-m", "hpc_train", "status", str(rd)], a.reps))
 
         sweep = tmp / "sweep"
         tasks = [{"index": i, "overrides": {"seed": str(i)}, "run_dir": str(_run_dir(sweep, i)),
                   "jobs": [f"999999_{i}"]} for i in range(100)]
         (sweep / "sweep.json").write_text(json.dumps({"source": "benchmark", "created": time.time(), "tasks": tasks,
                                                       "submissions": [{"jobs": [t["jobs"][0] for t in tasks]}]}))
-        _show("sweep summary SWEEP_DIR (100 tasks)",
-              _timed_cmd([PY, "-m", "hpc_train", "sweep", "summary", str(sweep)], a.reps))
+        _show(_timed_cmd("sweep summary SWEEP_DIR (100 tasks)",
+                         [PY, "-m", "hpc_train", "sweep", "summary", str(sweep)], a.reps))
         if shutil.which("squeue") and shutil.which("sacct"):
-            _show("status SWEEP_DIR (100 tasks, 2 scheduler calls)",
-                  _timed_cmd([PY, "-m", "hpc_train", "status", str(sweep)], a.reps))
+            _show(_timed_cmd("status SWEEP_DIR (100 tasks, 2 scheduler calls)",
+                             [PY, "-m", "hpc_train", "status", str(sweep)], a.reps))
         else:
             print("status SWEEP_DIR: skipped (no squeue/sacct on PATH; see the docstring)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return REPS.finish()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,7 +18,9 @@ step (hpc_train's own ``metrics.jsonl`` record; a list in the hand-written loop)
 steady-state rate is ``global samples / time`` from the end of step ``warmup`` to the end of the
 last step. Start-up (imports, rendezvous, data) is outside the window on both sides. The window
 lies inside one epoch, so no evaluation falls in it. Variants run interleaved (A, B, C, A, B, C,
-...) so that drift in the machine's speed hits each the same; the medians are compared.
+...) so that drift in the machine's speed hits each the same; the medians are compared. A
+repetition that fails is reported and left out, the rest go on, every figure says how many
+repetitions it rests on, and the exit status is 1 if any failed (benchmarks/reps.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reps import Reps, ratio, run_checked  # noqa: E402
 BATCH, WORLD, LR, SEED = 64, 2, 1e-3, 0
 
 
@@ -91,8 +95,8 @@ def run_hand_written(steps: int, workdir: Path) -> list[float]:
             "import overhead; mp.spawn(overhead._tutorial_worker, "
             "args=(2, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]), nprocs=2)")
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(_free_port()), str(steps),
-                    str(out)], check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    run_checked([sys.executable, "-c", code, str(Path(__file__).parent), str(_free_port()), str(steps),
+                 str(out)], "hand-written loop", cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["stamps"]
 
 
@@ -111,12 +115,11 @@ def run_hpc_train(steps: int, workdir: Path, checkpoints: bool, tag: str) -> lis
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"hpc_train run failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    run_checked(argv, "hpc_train run", cwd=ROOT, env=env, capture_output=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {rec["step"]: rec["time"] for rec in records if "loss" in rec}
-    assert sorted(by_step) == list(range(1, steps + 1)), "metrics.jsonl misses steps"
+    if sorted(by_step) != list(range(1, steps + 1)):
+        raise RuntimeError("metrics.jsonl misses steps")
     return [by_step[s] for s in range(1, steps + 1)]
 
 
@@ -149,47 +152,58 @@ def main(argv: list[str] | None = None) -> int:
 
     variants = {"hand": "hand-written DDP loop", "hpc": "hpc_train, checkpoints off",
                 "hpc_ckpt": "hpc_train, async checkpoint every 10 steps"}
-    rates: dict[str, list[float]] = {k: [] for k in variants}
-    typical: dict[str, list[float]] = {k: [] for k in variants}
+    reps = Reps()
     print(f"ConvNet, synthetic 1x28x28, batch {BATCH}/rank x {WORLD} ranks (gloo, 1 thread/rank), Adam; "
           f"{steps} steps per run, rate over steps {warmup + 1}-{steps}; {args.reps} interleaved repetitions",
           flush=True)
     t0 = time.time()
+
+    def one(key: str, rep: int, work: Path) -> tuple[float, float]:
+        """(steady-state samples/s, samples/s of the median step) of one run."""
+        if key == "hand":
+            stamps = run_hand_written(steps, work)
+        else:
+            stamps = run_hpc_train(steps, work, checkpoints=key == "hpc_ckpt", tag=f"{key}-{rep}")
+        return steady_rate(stamps, warmup), typical_rate(stamps, warmup)
+
     with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as tmp:
         work = Path(tmp)
-        for rep in range(args.reps):
+        for rep in range(1, args.reps + 1):
             for key in variants:
-                if key == "hand":
-                    stamps = run_hand_written(steps, work)
-                else:
-                    stamps = run_hpc_train(steps, work, checkpoints=key == "hpc_ckpt", tag=f"{key}-{rep}")
-                rates[key].append(steady_rate(stamps, warmup))
-                typical[key].append(typical_rate(stamps, warmup))
-                print(f"  rep {rep + 1}: {variants[key]:45s} {rates[key][-1]:8.1f} samples/s "
-                      f"(median step: {typical[key][-1]:.1f})", flush=True)
+                got = reps.run(key, rep, lambda: one(key, rep, work))
+                if got:
+                    print(f"  rep {rep}: {variants[key]:45s} {got[0]:8.1f} samples/s "
+                          f"(median step: {got[1]:.1f})", flush=True)
 
     width = max(len(v) for v in variants.values())
     medians = {}
-    for title, table in (("steady-state samples/s (window from the end of warm-up to the last step)", rates),
-                         ("samples/s of the median step (robust to neighbours on a shared machine)", typical)):
-        med = {k: statistics.median(v) for k, v in table.items()}
+    tables = {}
+    for title, i in (("steady-state samples/s (window from the end of warm-up to the last step)", 0),
+                     ("samples/s of the median step (robust to neighbours on a shared machine)", 1)):
+        med = {k: reps.median(k, lambda v: v[i]) for k in variants}
         medians[title] = med
+        tables[i] = {k: reps.values(k, lambda v: v[i]) for k in variants}
         print(f"\n{title}")
-        print(f"{'variant':{width}s}  " + "".join(f"{'rep ' + str(i + 1):>9s}" for i in range(args.reps))
-              + f"{'median':>10s}{'ratio':>8s}")
+        print(f"{'variant':{width}s}  " + "".join(f"{'rep ' + str(r):>9s}" for r in range(1, args.reps + 1))
+              + f"{'median':>10s}{'ratio':>8s}  based on")
         for key, label in variants.items():
-            print(f"{label:{width}s}  " + "".join(f"{r:9.1f}" for r in table[key])
-                  + f"{med[key]:10.1f}{med[key] / med['hand']:8.3f}")
+            cells = "".join(f"{got[i]:9.1f}" if (got := reps.get(key, r)) else f"{'failed':>9s}"
+                            for r in range(1, args.reps + 1))
+            print(f"{label:{width}s}  {cells}" + (f"{med[key]:10.1f}" if med[key] is not None else f"{'-':>10s}")
+                  + f"{ratio(med[key], med['hand']):>8s}  {reps.basis(key)}")
     med = next(iter(medians.values()))
-    ratio = med["hpc"] / med["hand"]
-    print(f"\nhpc_train / hand-written (median of steady-state samples/s, checkpoints off): {ratio:.3f} "
-          f"(target >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
-          f"with async checkpoints every 10 steps: {med['hpc_ckpt'] / med['hand']:.3f}. "
-          f"Total {time.time() - t0:.0f} s.")
+    r = ratio(med["hpc"], med["hand"])
+    print(f"\nhpc_train / hand-written (median of steady-state samples/s, checkpoints off): {r} "
+          + (f"(target >= 0.97: {'met' if float(r) >= 0.97 else 'NOT met'}); " if r != "n/a" else "")
+          + f"with async checkpoints every 10 steps: {ratio(med['hpc_ckpt'], med['hand'])} "
+          f"(hand-written {reps.basis('hand')}; hpc_train {reps.basis('hpc')}; with checkpoints "
+          f"{reps.basis('hpc_ckpt')}). Total {time.time() - t0:.0f} s.")
     if args.json:
-        Path(args.json).write_text(json.dumps({"steps": steps, "warmup": warmup, "steady": rates,
-                                               "median_step": typical, "ratio": ratio}, indent=2))
-    return 0
+        Path(args.json).write_text(json.dumps({"steps": steps, "warmup": warmup, "steady": tables[0],
+                                               "median_step": tables[1],
+                                               "ratio": float(r) if r != "n/a" else None,
+                                               "failed": [vars(f) for f in reps.failures]}, indent=2))
+    return reps.finish()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ Both sides stamp rank 0's wall clock once per step; the rate is global samples o
 after ``warmup`` (steady state), and the median step (robust to neighbours). Variants run
 interleaved; medians of the repetitions are compared. It also prints what one ``step_end`` costs
 without a watched DDP module (one small all-reduce of two floats, 2 gloo ranks).
+
+A repetition that fails (the baseline's processes included: one died of SIGABRT once) is reported
+(variant, repetition, exit code or signal, the last lines of its stderr) and the rest go on; every
+figure says how many repetitions it rests on, and the exit status is 1 if any failed
+(benchmarks/reps.py).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reps import Reps, ratio, run_checked  # noqa: E402
 BATCH, WORLD, SEED = 32, 2, 0
 
 
@@ -92,8 +99,8 @@ def run_hand(steps: int, work: Path) -> list[float]:
     out = work / "hand.json"
     code = ("import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import own_loop; "
             "mp.spawn(own_loop._hand_worker, args=(2, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]), nprocs=2)")
-    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(_free_port()), str(steps), str(out)],
-                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    run_checked([sys.executable, "-c", code, str(Path(__file__).parent), str(_free_port()), str(steps), str(out)],
+                "hand-written loop", cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["stamps"]
 
 
@@ -106,16 +113,15 @@ def _clean_env() -> dict[str, str]:
 def run_api(steps: int, work: Path, tag: str, every: int | None = 100) -> list[float]:
     rd = work / f"run-{tag}"
     ckpt = f"checkpoint.every_steps={every}" if every else "checkpoint.enabled=false"
-    r = subprocess.run([sys.executable, "-m", "hpc_train", "run", "--script", str(ROOT / "jobs" / "charlm.py"),
-                        "--nproc", str(WORLD), "--run-dir", str(rd), "--set", f"seed={SEED}",
-                        "--set", f"data.batch_size={BATCH}", "--set", "log.tensorboard=false",
-                        "--set", ckpt, "--set", "checkpoint.every_seconds=0", "--", "--steps", str(steps)],
-                       cwd=ROOT, env=_clean_env(), capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"hpc_train run failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    run_checked([sys.executable, "-m", "hpc_train", "run", "--script", str(ROOT / "jobs" / "charlm.py"),
+                 "--nproc", str(WORLD), "--run-dir", str(rd), "--set", f"seed={SEED}",
+                 "--set", f"data.batch_size={BATCH}", "--set", "log.tensorboard=false",
+                 "--set", ckpt, "--set", "checkpoint.every_seconds=0", "--", "--steps", str(steps)],
+                "hpc_train run", cwd=ROOT, env=_clean_env(), capture_output=True)
     recs = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
     by_step = {rec["step"]: rec["time"] for rec in recs if "loss" in rec}
-    assert sorted(by_step) == list(range(1, steps + 1)), "metrics.jsonl misses steps"
+    if sorted(by_step) != list(range(1, steps + 1)):
+        raise RuntimeError("metrics.jsonl misses steps")
     return [by_step[s] for s in range(1, steps + 1)]
 
 
@@ -140,11 +146,9 @@ def step_end_cost() -> dict:
 
 def measure_step_end(work: Path) -> float:
     rd = work / "step-end"
-    r = subprocess.run([sys.executable, "-m", "hpc_train", "run", "--fn", "benchmarks.own_loop:step_end_cost",
-                        "--nproc", str(WORLD), "--run-dir", str(rd), "--set", "checkpoint.enabled=false",
-                        "--set", "log.tensorboard=false"], cwd=ROOT, env=_clean_env(), capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-3000:])
+    run_checked([sys.executable, "-m", "hpc_train", "run", "--fn", "benchmarks.own_loop:step_end_cost",
+                 "--nproc", str(WORLD), "--run-dir", str(rd), "--set", "checkpoint.enabled=false",
+                 "--set", "log.tensorboard=false"], "step_end run", cwd=ROOT, env=_clean_env(), capture_output=True)
     return json.loads((rd / "step_end.json").read_text())["median_s"]
 
 
@@ -154,39 +158,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=50)
     args = ap.parse_args(argv)
+    if not 1 <= args.warmup < args.steps - 1:
+        ap.error("need 1 <= warmup < steps - 1")
     variants = {"hand": "hand-written DDP loop", "run": "Run API (jobs/charlm.py), async ckpt every 100",
                 "run_off": "Run API, checkpoints off (what the saves cost)"}
-    steady: dict[str, list[float]] = {k: [] for k in variants}
-    typical: dict[str, list[float]] = {k: [] for k in variants}
+    reps = Reps()
+    w = args.warmup
     print(f"char-level MLP (jobs/charlm.py), batch {BATCH}/rank x {WORLD} ranks (gloo, 1 thread/rank), "
-          f"{args.steps} steps, rate over steps {args.warmup + 1}-{args.steps}; {args.reps} interleaved reps",
+          f"{args.steps} steps, rate over steps {w + 1}-{args.steps}; {args.reps} interleaved reps",
           flush=True)
     t0 = time.time()
+
+    def one(key: str, rep: int, work: Path) -> tuple[float, float]:
+        """(steady-state samples/s, samples/s of the median step) of one run."""
+        stamps = (run_hand(args.steps, work) if key == "hand" else
+                  run_api(args.steps, work, f"{rep}") if key == "run" else
+                  run_api(args.steps, work, f"{rep}-off", every=None))
+        return ((len(stamps) - w) * BATCH * WORLD / (stamps[-1] - stamps[w - 1]),
+                BATCH * WORLD / statistics.median(b - a for a, b in zip(stamps[w - 1:], stamps[w:])))
+
     with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as tmp:
         work = Path(tmp)
-        for rep in range(args.reps):
+        for rep in range(1, args.reps + 1):
             for key in variants:
-                stamps = (run_hand(args.steps, work) if key == "hand" else
-                          run_api(args.steps, work, f"{rep}") if key == "run" else
-                          run_api(args.steps, work, f"{rep}-off", every=None))
-                w = args.warmup
-                steady[key].append((len(stamps) - w) * BATCH * WORLD / (stamps[-1] - stamps[w - 1]))
-                typical[key].append(BATCH * WORLD / statistics.median(
-                    b - a for a, b in zip(stamps[w - 1:], stamps[w:])))
-                print(f"  rep {rep + 1}: {variants[key]:48s} {steady[key][-1]:8.0f} samples/s "
-                      f"(median step: {typical[key][-1]:.0f})", flush=True)
-        cost = measure_step_end(work)
-    for title, table in (("steady-state samples/s", steady), ("samples/s of the median step", typical)):
-        med = {k: statistics.median(v) for k, v in table.items()}
-        print(f"\n{title}: hand-written {med['hand']:.0f}, Run {med['run']:.0f}, ratio {med['run'] / med['hand']:.3f}; "
-              f"checkpoints off {med['run_off']:.0f}, ratio {med['run_off'] / med['hand']:.3f}")
-    ratio = statistics.median(steady["run"]) / statistics.median(steady["hand"])
-    print(f"\nRun / hand-written (median steady-state samples/s): {ratio:.3f} "
-          f"(target >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'})")
-    print(f"step_end without a watched DDP module (one 2-float all-reduce, 2 gloo ranks): {cost * 1e6:.0f} us/step "
-          f"(median of 500)")
+                got = reps.run(key, rep, lambda: one(key, rep, work))
+                if got:
+                    print(f"  rep {rep}: {variants[key]:48s} {got[0]:8.0f} samples/s "
+                          f"(median step: {got[1]:.0f})", flush=True)
+        cost = reps.run("step_end", 1, lambda: measure_step_end(work))
+    for title, i in (("steady-state samples/s", 0), ("samples/s of the median step", 1)):
+        med = {k: reps.median(k, lambda v: v[i]) for k in variants}
+        print(f"\n{title}: hand-written {reps.figure('hand', lambda v: v[i], '{:.0f}')}, "
+              f"Run {reps.figure('run', lambda v: v[i], '{:.0f}')}, ratio {ratio(med['run'], med['hand'])}; "
+              f"checkpoints off {reps.figure('run_off', lambda v: v[i], '{:.0f}')}, "
+              f"ratio {ratio(med['run_off'], med['hand'])}")
+    hand, run = reps.median("hand", lambda v: v[0]), reps.median("run", lambda v: v[0])
+    if hand and run is not None:
+        print(f"\nRun / hand-written (median steady-state samples/s): {run / hand:.3f} "
+              f"(target >= 0.97: {'met' if run / hand >= 0.97 else 'NOT met'}; Run {reps.basis('run')}, "
+              f"hand-written {reps.basis('hand')})")
+    else:
+        print(f"\nRun / hand-written: n/a (Run: {reps.basis('run')}; hand-written: {reps.basis('hand')})")
+    print("step_end without a watched DDP module (one 2-float all-reduce, 2 gloo ranks): "
+          + (f"{cost * 1e6:.0f} us/step (median of 500)" if cost is not None else "FAILED (see above)"))
     print(f"total {time.time() - t0:.0f} s")
-    return 0
+    return reps.finish()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@
    training time blocked by checkpoint saves:
    goodput(M) = (M - s) * (1 - f) / (M + x + b).
 
-Usage: .venv/bin/python benchmarks/preemption.py [--quick]
+A repetition that fails (a run, a restart cycle, a goodput period) is reported and the rest go on
+(after a failed restart cycle its job's state is unknown, so the later cycles are not run); every
+figure says how many repetitions it rests on, and the exit status is 1 if any failed.
+
+Usage: .venv/bin/python benchmarks/preemption.py [--quick] [--only agreement --reps N --steps N]
 The cluster is started (and stopped) here if it is not up; that needs root.
 """
 
@@ -35,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from reps import Reps, ratio, run_checked  # noqa: E402
 from submit_latency import PY, local_cluster  # noqa: E402
 
 DIGITS = str(ROOT / "jobs" / "digits.yaml")
@@ -46,11 +51,6 @@ def sets(**kv) -> list[str]:
     for k, v in kv.items():
         out += ["--set", f"{k.replace('__', '.')}={v}"]
     return out
-
-
-def cli(env, *args, timeout=900) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "hpc_train", *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
 
 
 def squeue_state(env, job: str) -> str:
@@ -80,9 +80,8 @@ def preempt(env) -> None:
 
 
 def submit(env, run_dir: Path, *flags: str) -> str:
-    r = cli(env, "submit", DIGITS, "--nodes", "2", "--run-dir", run_dir, *QUIET, *flags)
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr)
+    r = run_checked([PY, "-m", "hpc_train", "submit", DIGITS, "--nodes", "2", "--run-dir", str(run_dir), *QUIET,
+                     *flags], "hpc_train submit", env=env, capture_output=True, timeout=900, cwd=ROOT)
     return re.search(r"submitted job (\d+)", r.stdout).group(1)
 
 
@@ -130,32 +129,45 @@ def restart_phases(stopped: dict, requeued_at: float, before: dict, after: dict)
     return rows
 
 
-def bench_restart(env, tmp: Path, preemptions: int) -> None:
+def bench_restart(env, tmp: Path, preemptions: int, reps: Reps) -> None:
     run_dir = tmp / "big"
     # 784 x 11000 + 11000 x 10 weights, Adam: ~8.7 M parameters, ~105 MB of state.
     job = submit(env, run_dir, *sets(model__name="mlp", model__hidden=11000, train__max_steps=100000,
                                      train__log_every=10))
     cycles = []
+
+    def cycle(i: int) -> list[tuple[str, float, str]]:
+        _json(run_dir / "goodput.json", lambda r: len(r["segments"]) == i + 1
+              and r["segments"][-1].get("first_step"), timeout=600)
+        target = steps_done(run_dir) + 20
+        deadline = time.monotonic() + 600
+        while steps_done(run_dir) < target:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{run_dir}: step {target} not reached within 600 s")
+            time.sleep(0.2)
+        preempt(env)
+        stopped = _json(run_dir / "stopped.json", lambda r, n=target: r["steps"] >= n)
+        requeued = _json(run_dir / "requeue.json", lambda r: len(r.get("requeued_at", [])) == i + 1)
+        ledger = _json(run_dir / "goodput.json", lambda r: len(r["segments"]) == i + 2
+                       and r["segments"][-1].get("first_step"), timeout=600)
+        return restart_phases(stopped, requeued["requeued_at"][i], ledger["segments"][i], ledger["segments"][i + 1])
     try:
         for i in range(preemptions):
-            _json(run_dir / "goodput.json", lambda r: len(r["segments"]) == i + 1
-                  and r["segments"][-1].get("first_step"), timeout=600)
-            target = steps_done(run_dir) + 20
-            while steps_done(run_dir) < target:
-                time.sleep(0.2)
-            preempt(env)
-            stopped = _json(run_dir / "stopped.json", lambda r, n=target: r["steps"] >= n)
-            requeued = _json(run_dir / "requeue.json", lambda r: len(r.get("requeued_at", [])) == i + 1)
-            ledger = _json(run_dir / "goodput.json", lambda r: len(r["segments"]) == i + 2
-                           and r["segments"][-1].get("first_step"), timeout=600)
-            cycles.append(restart_phases(stopped, requeued["requeued_at"][i], ledger["segments"][i],
-                                         ledger["segments"][i + 1]))
+            got = reps.run("restart cycle", i + 1, lambda: cycle(i))
+            if got is None:     # the cycles follow one job: after a failed one its state is unknown
+                print(f"   restart cycles {i + 2}-{preemptions} not run (cycle {i + 1} failed)")
+                break
+            cycles.append(got)
     finally:
         subprocess.run(["scancel", job], env=env)
         wait_gone(env, job)
-    size = max(sum(p.stat().st_size for p in d.iterdir()) for d in (run_dir / "checkpoints").glob("step-*"))
+    if not cycles:
+        print(f"\n1. a requeue cycle: {reps.basis('restart cycle')}")
+        return
+    size = max((sum(p.stat().st_size for p in d.iterdir()) for d in (run_dir / "checkpoints").glob("step-*")),
+               default=0)
     print(f"\n1. a requeue cycle, {size / 1e6:.0f} MB checkpoint, 2 nodes, real preemption by a `high` job "
-          f"({len(cycles)} cycles; seconds):")
+          f"({len(cycles)} cycles of {preemptions}; seconds):")
     print(f"   {'phase':80s}" + "".join(f"{'#' + str(i + 1):>8s}" for i in range(len(cycles))) + "   whose")
     for j, (name, _, whose) in enumerate(cycles[0]):
         print(f"   {name:80s}" + "".join(f"{c[j][1]:8.2f}" for c in cycles) + f"   {whose}")
@@ -173,51 +185,58 @@ def _sps(run_dir: Path, skip: int) -> float:
     return 64 / statistics.median(b - a for a, b in zip(t, t[1:]))
 
 
-def bench_agreement(tmp: Path, reps: int, steps: int) -> None:
+def bench_agreement(tmp: Path, n: int, steps: int, reps: Reps) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    on, off = [], []
     flags = [*QUIET, *sets(data__name="synthetic", data__batch_size=32, train__max_steps=steps,
                            train__log_every=1, checkpoint__enabled="false")]
-    for i in range(reps):
-        for label, store in (("on", on), ("off", off)):
-            run_dir = tmp / f"agree-{label}-{i}"
-            off_flags = ["--set", "train.fn=benchmarks.no_agreement:train"] if label == "off" else []
-            r = subprocess.run([PY, "-m", "hpc_train", "run", DIGITS, "--nproc", "2", "--run-dir", str(run_dir),
-                                *flags, *off_flags], env=env, capture_output=True, text=True, cwd=ROOT)
-            if r.returncode != 0:
-                raise RuntimeError(r.stderr)
-            store.append(_sps(run_dir, skip=20))
-    mon, moff = statistics.median(on), statistics.median(off)
-    print(f"\n2. stop agreement cost (local, 2 gloo ranks, ConvNet, batch 32/rank, {steps} steps, median of {reps}):")
-    print(f"   with the per-step agreement    {mon:8.0f} samples/s")
-    print(f"   without it                     {moff:8.0f} samples/s")
-    print(f"   ratio                          {mon / moff:8.3f}   (target >= 0.99)")
+
+    def one(label: str, i: int) -> float:
+        run_dir = tmp / f"agree-{label}-{i}"
+        off_flags = ["--set", "train.fn=benchmarks.no_agreement:train"] if label == "off" else []
+        run_checked([PY, "-m", "hpc_train", "run", DIGITS, "--nproc", "2", "--run-dir", str(run_dir),
+                     *flags, *off_flags], f"hpc_train run (agreement {label})", env=env, capture_output=True,
+                    cwd=ROOT)
+        return _sps(run_dir, skip=20)
+    for i in range(1, n + 1):
+        for label in ("on", "off"):
+            reps.run(f"agreement {label}", i, lambda: one(label, i))
+    on, off = reps.values("agreement on"), reps.values("agreement off")
+    print(f"\n2. stop agreement cost (local, 2 gloo ranks, ConvNet, batch 32/rank, {steps} steps, {n} repetitions):")
+    print(f"   with the per-step agreement    {reps.figure('agreement on', fmt='{:8.0f}', unit=' samples/s')}")
+    print(f"   without it                     {reps.figure('agreement off', fmt='{:8.0f}', unit=' samples/s')}")
+    print(f"   ratio                          {ratio(reps.median('agreement on'), reps.median('agreement off'), '{:8.3f}')}"
+          f"   (target >= 0.99)")
     print(f"   all runs: on {[round(x) for x in on]}, off {[round(x) for x in off]}")
 
 
-def bench_goodput(env, tmp: Path, periods: list[float], steps: int) -> None:
+def bench_goodput(env, tmp: Path, periods: list[float], steps: int, reps: Reps) -> None:
     print(f"\n3. goodput, {steps} steps of the digits ConvNet on 2 nodes (a checkpoint every 30 s), "
           f"preempted every M s of running:")
     print(f"   {'M':>6}  {'preemptions':>11}  {'wall s':>7}  {'ledger wall':>11}  {'goodput':>7}  "
           f"{'projected':>9}  parts")
     from hpc_train import goodput
     fits = []
-    for m in periods:
+
+    def one(m: float) -> None:
         run_dir = tmp / f"goodput-{m:.0f}"
         t0 = time.time()
         job = submit(env, run_dir, *sets(train__max_steps=steps, train__log_every=100, checkpoint__every_seconds=30))
         n = 0
         running_since = None
-        while (st := squeue_state(env, job)) != "GONE":
-            if st == "RUNNING":
-                running_since = running_since or time.monotonic()
-                if time.monotonic() - running_since >= m:
-                    preempt(env)
-                    n += 1
+        try:
+            while (st := squeue_state(env, job)) != "GONE":
+                if st == "RUNNING":
+                    running_since = running_since or time.monotonic()
+                    if time.monotonic() - running_since >= m:
+                        preempt(env)
+                        n += 1
+                        running_since = None
+                else:
                     running_since = None
-            else:
-                running_since = None
-            time.sleep(0.2)
+                time.sleep(0.2)
+        except BaseException:       # no job of a failed period left to run into the next one
+            subprocess.run(["scancel", job], env=env)
+            raise
         wall = time.time() - t0
         b = goodput.breakdown(run_dir)
         parts = b["parts"]
@@ -234,7 +253,14 @@ def bench_goodput(env, tmp: Path, periods: list[float], steps: int) -> None:
         proj = projected(m, fit)
         print(f"   {m:6.0f}  {n:>11}  {wall:7.1f}  {b['wall_s']:11.1f}  {parts['training'] / b['wall_s']:7.3f}  "
               f"{proj:9.3f}  " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if v))
+    for m in periods:
+        reps.run(f"goodput M={m:.0f}", 1, lambda: one(m))
+    if not fits:
+        print("   no period succeeded: nothing to project from")
+        return
     avg = {k: statistics.mean(f[k] for f in fits) for k in fits[0]}
+    if len(fits) < len(periods):
+        print(f"   (projections from {len(fits)} of {len(periods)} periods; the others failed)")
     print(f"   measured per run: start-up + load s = {avg['s']:.1f} s, exit after the signal x = {avg['x']:.1f} s, "
           f"between runs b = {avg['b']:.1f} s; checkpoint share of training f = {avg['f']:.4f}")
     for m, label in ((600.0, "10 minutes"), (4 * 3600.0, "4 hours")):
@@ -250,20 +276,29 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["restart", "goodput", "agreement"], help="one section (default: all three)")
     ap.add_argument("--cycles", type=int, default=None, help="preemptions in the restart section (default 2; quick 1)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions in the agreement section (default 7; quick 3)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run in the agreement section (default 250; quick 120; at least 23)")
     args = ap.parse_args()
+    if args.steps is not None and args.steps < 23:
+        ap.error("--steps: at least 23 (the rate skips the first 20 steps)")
     want = {args.only} if args.only else {"restart", "goodput", "agreement"}
+    reps = Reps()
     with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as d:
         tmp = Path(d)
         if want & {"restart", "goodput"}:
             with local_cluster() as env:
                 if "restart" in want:
-                    bench_restart(env, tmp, preemptions=args.cycles or (1 if args.quick else 2))
+                    # A failure outside the cycles (the submission) is this section's one failed repetition.
+                    reps.run("restart section", 1, lambda: bench_restart(
+                        env, tmp, preemptions=args.cycles or (1 if args.quick else 2), reps=reps))
                 if "goodput" in want:
                     bench_goodput(env, tmp, [30.0] if args.quick else [60.0, 120.0],
-                                  steps=1500 if args.quick else 6000)
+                                  steps=1500 if args.quick else 6000, reps=reps)
         if "agreement" in want:
-            bench_agreement(tmp, reps=3 if args.quick else 7, steps=120 if args.quick else 250)
-    return 0
+            bench_agreement(tmp, n=args.reps or (3 if args.quick else 7),
+                            steps=args.steps or (120 if args.quick else 250), reps=reps)
+    return reps.finish()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ checkpoints off. Only ``dist.strategy`` / ``train.precision`` differ.
   interpreter and torch (~0.3 GB per rank), so differences between strategies are what matters.
 * Variants run interleaved (A, B, C, ..., A, B, C, ...) so that drift in the machine's speed
   (2 shared cores here) hits each the same; medians of ``--reps`` repetitions are compared.
+  A repetition that fails is reported and left out (the rest go on); every figure says how many
+  repetitions it rests on, and the exit status is 1 if any failed (benchmarks/reps.py).
 
 ``dp`` is not measured on CPU: without GPUs nn.DataParallel is the bare module in one process,
 so there is nothing to compare (it is refused with 2 processes per node).
@@ -36,6 +38,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reps import RepFailed, Reps, ratio  # noqa: E402
 BATCH, WORLD = 64, 2
 VARIANTS = {   # key: (label, --set items)
     "ddp": ("ddp (reference)", {"dist.strategy": "ddp"}),
@@ -65,12 +69,16 @@ def run_variant(sets: dict[str, str], steps: int, hidden: int, work: Path, tag: 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", _WRAPPER, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
-    maxrss_kib, code = r.stdout.split()[-2:]
+    try:
+        maxrss_kib, code = r.stdout.split()[-2:]
+    except ValueError:                  # the wrapper itself died before printing
+        raise RepFailed("hpc_train run (wrapper)", r.returncode, r.stderr) from None
     if code != "0":
-        raise RuntimeError(f"{' '.join(argv)} failed ({code}):\n{r.stderr[-3000:]}")
+        raise RepFailed("hpc_train run", int(code), r.stderr)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {rec["step"]: rec["time"] for rec in records if "loss" in rec}
-    assert sorted(by_step) == list(range(1, steps + 1)), "metrics.jsonl misses steps"
+    if sorted(by_step) != list(range(1, steps + 1)):
+        raise RuntimeError("metrics.jsonl misses steps")
     return [by_step[s] for s in range(1, steps + 1)], int(maxrss_kib) / 1024
 
 
@@ -101,42 +109,52 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLP 784-{args.hidden}-10 ({params / 1e6:.2f} M parameters), synthetic 1x28x28, batch {BATCH}/rank x "
           f"{WORLD} ranks (gloo, 1 thread/rank), Adam, checkpoints off; {args.steps} steps per run, rate over steps "
           f"{args.warmup + 1}-{args.steps}; {args.reps} interleaved repetitions", flush=True)
-    rates: dict[str, list[float]] = {k: [] for k in keys}
-    typical: dict[str, list[float]] = {k: [] for k in keys}
-    rss: dict[str, list[float]] = {k: [] for k in keys}
+    reps = Reps()
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="hpc_train-strategies-") as tmp:
-        for rep in range(args.reps):
+        for rep in range(1, args.reps + 1):
             for key in keys:
-                stamps, peak = run_variant(VARIANTS[key][1], args.steps, args.hidden, Path(tmp), f"{key}-{rep}")
-                rates[key].append(steady_rate(stamps, args.warmup))
-                typical[key].append(typical_rate(stamps, args.warmup))
-                rss[key].append(peak)
-                print(f"  rep {rep + 1}: {VARIANTS[key][0]:36s} {rates[key][-1]:8.1f} samples/s (median step "
-                      f"{typical[key][-1]:8.1f})  peak {peak:7.1f} MiB", flush=True)
-    med_rate = {k: statistics.median(v) for k, v in rates.items()}
-    med_typ = {k: statistics.median(v) for k, v in typical.items()}
-    med_rss = {k: statistics.median(v) for k, v in rss.items()}
+                def one(key: str = key, rep: int = rep) -> tuple[float, float, float]:
+                    stamps, peak = run_variant(VARIANTS[key][1], args.steps, args.hidden, Path(tmp), f"{key}-{rep}")
+                    return steady_rate(stamps, args.warmup), typical_rate(stamps, args.warmup), peak
+                got = reps.run(key, rep, one)
+                if got:
+                    print(f"  rep {rep}: {VARIANTS[key][0]:36s} {got[0]:8.1f} samples/s (median step "
+                          f"{got[1]:8.1f})  peak {got[2]:7.1f} MiB", flush=True)
+    med_rate = {k: reps.median(k, lambda v: v[0]) for k in keys}
+    med_typ = {k: reps.median(k, lambda v: v[1]) for k in keys}
+    med_rss = {k: reps.median(k, lambda v: v[2]) for k in keys}
     width = max(len(VARIANTS[k][0]) for k in keys)
+
+    def num(x: float | None, fmt: str) -> str:
+        return fmt.format(x) if x is not None else "-"
     print(f"\n{'variant':{width}s}  {'samples/s':>10s} {'vs ddp':>7s}  {'median step':>11s} {'vs ddp':>7s}  "
-          f"{'peak MiB/rank':>13s} {'vs ddp':>8s}")
+          f"{'peak MiB/rank':>13s} {'vs ddp':>8s}  based on")
     for k in keys:
-        print(f"{VARIANTS[k][0]:{width}s}  {med_rate[k]:10.1f} {med_rate[k] / med_rate['ddp']:7.3f}  "
-              f"{med_typ[k]:11.1f} {med_typ[k] / med_typ['ddp']:7.3f}  "
-              f"{med_rss[k]:13.1f} {med_rss[k] - med_rss['ddp']:+8.1f}")
-    print(f"(medians of {args.reps}; peak = ru_maxrss of the largest process of the run; total "
-          f"{time.time() - t0:.0f} s)")
+        drss = med_rss[k] - med_rss["ddp"] if med_rss[k] is not None and med_rss["ddp"] is not None else None
+        print(f"{VARIANTS[k][0]:{width}s}  {num(med_rate[k], '{:.1f}'):>10s} {ratio(med_rate[k], med_rate['ddp']):>7s}  "
+              f"{num(med_typ[k], '{:.1f}'):>11s} {ratio(med_typ[k], med_typ['ddp']):>7s}  "
+              f"{num(med_rss[k], '{:.1f}'):>13s} {num(drss, '{:+.1f}'):>8s}  {reps.basis(k)}")
+    print(f"(medians of the successful repetitions of {args.reps}; peak = ru_maxrss of the largest process of the "
+          f"run; total {time.time() - t0:.0f} s)")
     # Paired: each repetition's rate over the ddp run next to it, then the median. A shared
     # machine's speed drifts within a benchmark (2x here); a pair shares the same moment.
     print("\npaired ratio vs ddp (median over repetitions of rate / that repetition's ddp rate):")
     for k in keys[1:]:
-        pairs = [r / d for r, d in zip(rates[k], rates["ddp"])]
-        print(f"  {VARIANTS[k][0]:{width}s}  {statistics.median(pairs):6.3f}   "
-              f"(per rep: {' '.join(f'{x:.2f}' for x in pairs)})")
+        pairs = [reps.get(k, r)[0] / reps.get("ddp", r)[0] for r in range(1, args.reps + 1)
+                 if reps.get(k, r) and reps.get("ddp", r)]
+        if pairs:
+            print(f"  {VARIANTS[k][0]:{width}s}  {statistics.median(pairs):6.3f}   "
+                  f"(per rep: {' '.join(f'{x:.2f}' for x in pairs)}; {len(pairs)} pairs where both succeeded)")
+        else:
+            print(f"  {VARIANTS[k][0]:{width}s}  n/a (no repetition where both it and ddp succeeded)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rates": rates, "median_step": typical, "peak_mib": rss, "steps": args.steps,
-                                               "warmup": args.warmup, "hidden": args.hidden}, indent=2))
-    return 0
+        Path(args.json).write_text(json.dumps({
+            "rates": {k: reps.values(k, lambda v: v[0]) for k in keys},
+            "median_step": {k: reps.values(k, lambda v: v[1]) for k in keys},
+            "peak_mib": {k: reps.values(k, lambda v: v[2]) for k in keys}, "steps": args.steps,
+            "warmup": args.warmup, "hidden": args.hidden, "failed": [vars(f) for f in reps.failures]}, indent=2))
+    return reps.finish()
 
 
 if __name__ == "__main__":

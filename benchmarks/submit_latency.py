@@ -6,6 +6,9 @@
    ratio are printed (target <= 1.3).
 2. Wall time of `python -m hpc_train --help` and `status RUN_DIR` against bare `python -c pass`.
 
+A repetition that fails is reported and left out (the rest go on); every figure says how many
+repetitions it rests on, and the exit status is 1 if any failed (benchmarks/reps.py).
+
 Needs the cluster: `sudo slurm/devcluster.sh up` (started and stopped here if it is not up).
 Usage: .venv/bin/python benchmarks/submit_latency.py [--reps N]
 """
@@ -17,7 +20,6 @@ import contextlib
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEVCLUSTER = ROOT / "slurm" / "devcluster.sh"
 PY = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reps import Reps, ratio, run_checked  # noqa: E402
 
 # The hand-written baseline: what a user would write after the PyTorch DDP tutorial.
 RAW_WORKER = textwrap.dedent("""
@@ -110,13 +114,14 @@ def drain(env) -> None:
 def one_hpc_train(env, tmp: Path, i: int) -> float:
     run_dir = tmp / f"hpc{i}"
     t0 = time.time()
-    subprocess.run([PY, "-m", "hpc_train", "submit", str(ROOT / "jobs/digits.yaml"), "--nodes", "2",
-                    "--run-dir", str(run_dir), "--set", "train.max_steps=1", "--set", "train.log_every=1",
-                    "--set", "log.tensorboard=false", "--set", "train.eval=false", "--set", "checkpoint.enabled=false"],
-                   env=env, check=True, capture_output=True)
-    latency = first_step_time(run_dir) - t0
-    drain(env)
-    return latency
+    try:
+        run_checked([PY, "-m", "hpc_train", "submit", str(ROOT / "jobs/digits.yaml"), "--nodes", "2",
+                     "--run-dir", str(run_dir), "--set", "train.max_steps=1", "--set", "train.log_every=1",
+                     "--set", "log.tensorboard=false", "--set", "train.eval=false", "--set",
+                     "checkpoint.enabled=false"], "hpc_train submit", env=env, capture_output=True)
+        return first_step_time(run_dir) - t0
+    finally:
+        drain(env)          # a failed repetition leaves no job behind for the next one
 
 
 def one_raw(env, tmp: Path, i: int) -> float:
@@ -127,51 +132,56 @@ def one_raw(env, tmp: Path, i: int) -> float:
     script.write_text(f"#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --output={tmp}/raw{i}.out\n"
                       f"srun {shlex.quote(PY)} {shlex.quote(str(worker))} {shlex.quote(str(stamp))}\n")
     t0 = time.time()
-    subprocess.run(["sbatch", str(script)], env=env, check=True, capture_output=True, cwd=tmp)
-    wait_file(stamp)
-    latency = float(stamp.read_text()) - t0
-    drain(env)
-    return latency
+    try:
+        run_checked(["sbatch", str(script)], "sbatch", env=env, capture_output=True, cwd=tmp)
+        wait_file(stamp)
+        return float(stamp.read_text()) - t0
+    finally:
+        drain(env)
 
 
-def wall(cmd: list[str], env, reps: int) -> float:
-    times = []
-    for _ in range(reps):
+def wall(name: str, cmd: list[str], env, reps: int, record: Reps) -> float | None:
+    """The median wall time of ``cmd`` over the repetitions that exited 0 (each failure recorded)."""
+    def one() -> float:
         t0 = time.perf_counter()
-        subprocess.run(cmd, env=env, capture_output=True)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        run_checked(cmd, name, env=env, capture_output=True)
+        return time.perf_counter() - t0
+    for rep in range(1, reps + 1):
+        record.run(name, rep, one)
+    return record.median(name)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
+    reps = Reps()
     with local_cluster() as env:
-        hpc, raw = [], []
         with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as d:
             tmp = Path(d)
-            one_raw(env, tmp, 99)           # warm the page cache for both sides
-            for i in range(args.reps):      # interleaved: A, B, A, B, ...
-                hpc.append(one_hpc_train(env, tmp, i))
-                raw.append(one_raw(env, tmp, i))
-                print(f"  rep {i}: hpc_train submit {hpc[-1]:.2f}s, raw sbatch {raw[-1]:.2f}s", flush=True)
-            mh, mr = statistics.median(hpc), statistics.median(raw)
-            print(f"\nsubmit -> first training step (median of {args.reps}, 2 nodes x 1 task, gloo):")
-            print(f"  hpc_train submit (submitit)   {mh:6.2f} s")
-            print(f"  raw sbatch, hand-written DDP  {mr:6.2f} s")
-            print(f"  ratio hpc_train / raw         {mh / mr:6.2f}   (target <= 1.3)")
+            reps.run("warm-up (raw sbatch)", 0, lambda: one_raw(env, tmp, 99))   # warm the page cache for both sides
+            for i in range(1, args.reps + 1):      # interleaved: A, B, A, B, ...
+                h = reps.run("hpc_train submit", i, lambda: one_hpc_train(env, tmp, i))
+                r = reps.run("raw sbatch", i, lambda: one_raw(env, tmp, i))
+                print(f"  rep {i}: hpc_train submit {'FAILED' if h is None else f'{h:.2f}s'}, "
+                      f"raw sbatch {'FAILED' if r is None else f'{r:.2f}s'}", flush=True)
+            mh, mr = reps.median("hpc_train submit"), reps.median("raw sbatch")
+            print("\nsubmit -> first training step (2 nodes x 1 task, gloo):")
+            print(f"  hpc_train submit (submitit)   {reps.figure('hpc_train submit', fmt='{:6.2f}', unit=' s')}")
+            print(f"  raw sbatch, hand-written DDP  {reps.figure('raw sbatch', fmt='{:6.2f}', unit=' s')}")
+            print(f"  ratio hpc_train / raw         {ratio(mh, mr, '{:6.2f}')}   (target <= 1.3)")
             n = 7
-            status_dir = tmp / "hpc0"
-            base = wall([PY, "-c", "pass"], env, n)
-            helpt = wall([PY, "-m", "hpc_train", "--help"], env, n)
-            statt = wall([PY, "-m", "hpc_train", "status", str(status_dir)], env, n)
-            print(f"\nCLI wall time (median of {n}):")
-            print(f"  python -c pass                  {base * 1000:7.0f} ms")
-            print(f"  python -m hpc_train --help      {helpt * 1000:7.0f} ms   ({helpt / base:.1f}x)")
-            print(f"  python -m hpc_train status DIR  {statt * 1000:7.0f} ms   ({statt / base:.1f}x, "
-                  f"includes squeue+sacct)")
-    return 0
+            status_dir = tmp / "hpc1"
+            names = ("python -c pass", "python -m hpc_train --help", "python -m hpc_train status DIR")
+            base = wall(names[0], [PY, "-c", "pass"], env, n, reps)
+            helpt = wall(names[1], [PY, "-m", "hpc_train", "--help"], env, n, reps)
+            statt = wall(names[2], [PY, "-m", "hpc_train", "status", str(status_dir)], env, n, reps)
+            print("\nCLI wall time:")
+            for name, t, note in zip(names, (base, helpt, statt), ("", "", ", includes squeue+sacct")):
+                shown = f"{t * 1000:7.0f} ms" if t is not None else f"{'-':>7s}   "
+                rel = f"{ratio(t, base, '{:.1f}')}x, " if name != names[0] else ""
+                print(f"  {name:30s}  {shown}   ({rel}{reps.basis(name)}{note})")
+    return reps.finish()
 
 
 if __name__ == "__main__":
