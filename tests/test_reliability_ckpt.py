@@ -33,6 +33,23 @@ def base(tmp_path_factory):
     return cfg, d / "run", p
 
 
+def resume_on_workers(rd):
+    """Resume ``rd`` with the workers alone, as the batch script's torchrun launcher starts them
+    (``torchrun -m hpc_train worker``): no launcher plans first, so what a damaged checkpoint
+    meets is the workers' own restore, which checks each item as it reads it. (``run`` verifies
+    up front as well, and would skip it before any worker starts.)"""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(port), "-m", "hpc_train", "worker", "--config", str(rd / "config.yaml"), "--run-dir",
+                        str(rd)], env=clean_env(), capture_output=True, text=True, timeout=300)
+    return r
+
+
 @pytest.fixture
 def copy(base, tmp_path):
     cfg, rd, _ = base
@@ -97,7 +114,7 @@ def test_a_flipped_bit_is_caught_by_the_load_and_every_rank_falls_back(copy):
     name, lo, hi = _model_item(ck6)
     flip_bit(ck6 / name, random.Random(22), lo, hi)
     damaged = snapshot(ck6)
-    p = run(cfg, rd)
+    p = resume_on_workers(rd)
     assert p.returncode == 0, show(p)
     text = p.stderr + logs(rd)
     assert re.search(r"skipping checkpoint \S*step-6: it does not load: cannot load checkpoint \S*step-6: "
@@ -111,7 +128,7 @@ def test_a_flipped_bit_is_caught_by_the_load_and_every_rank_falls_back(copy):
 def test_a_flipped_rank_file_fails_on_its_own_rank_and_both_fall_back(copy):
     cfg, rd = copy
     flip_bit(rd / "checkpoints" / "step-6" / "rank-1.pt", random.Random(5))
-    p = run(cfg, rd)
+    p = resume_on_workers(rd)
     assert p.returncode == 0, show(p)
     text = p.stderr + logs(rd)
     assert re.search(r"skipping checkpoint \S*step-6: it does not load: cannot load \S*rank-1.pt: "
@@ -136,7 +153,7 @@ def test_checkpoints_of_the_previous_format_still_verify_and_load(copy):
     flip_bit(rd / "checkpoints" / "step-6" / "__0_0.distcp", random.Random(6))
     v = hpc("ckpt", "verify", rd)
     assert v.returncode == 1 and re.search(r"step-6: BAD: __0_0.distcp fails its crc32 check", v.stdout), show(v)
-    p = run(cfg, rd)
+    p = resume_on_workers(rd)
     assert p.returncode == 0, show(p)
     text = p.stderr + logs(rd)
     # Old records have no item checksums: the loader checks each file it reads, whole.

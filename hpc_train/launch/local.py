@@ -90,9 +90,15 @@ def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str, port: int,
     return procs
 
 
+# Ranks per CPU that `run` allows on gloo: more ranks than cores share them (slower, but a test
+# of 4 ranks on a 2-core laptop is a fair thing to run); far more is a typo or a fork bomb.
+RANKS_PER_CPU = 4
+
+
 def check_nproc(nproc: int, backend: str) -> None:
     """``--nproc``: at least 1, and at most one process per GPU (nccl, or auto where GPUs are
-    visible) or per CPU this process may run on (gloo). Counted without importing torch."""
+    visible) or :data:`RANKS_PER_CPU` per CPU this process may run on (gloo). Counted without
+    importing torch."""
     from hpc_train.errors import UsageError
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {nproc}")
@@ -100,8 +106,10 @@ def check_nproc(nproc: int, backend: str) -> None:
     if gpus:
         bound, what = gpus, f"{gpus} GPU{'s' if gpus != 1 else ''} visible (one process per GPU with dist.backend={backend})"
     else:
-        bound = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        what = f"{bound} CPU{'s' if bound != 1 else ''} this process may use (one process per CPU)"
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        bound = RANKS_PER_CPU * cpus
+        what = (f"{bound} processes that the {cpus} CPU{'s' if cpus != 1 else ''} this process may use can run "
+                f"({RANKS_PER_CPU} per CPU)")
     if nproc > bound:
         raise UsageError(f"--nproc {nproc} is more than the {what}; use --nproc {bound} or less")
 

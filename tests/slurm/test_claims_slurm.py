@@ -112,7 +112,9 @@ def test_submit_refuses_a_directory_whose_last_job_is_live(slurm, tmp_path, stat
         again = slurm.cli("submit", *BASE, "--nodes", "1", "--run-dir", run_dir)
         lines = [x for x in again.stderr.splitlines() if x.strip()]
         assert again.returncode == 2 and len(lines) == 1 and "Traceback" not in again.stderr, again.stderr
-        assert f"belongs to job {job}, which is {state}" in lines[0], lines
+        # A running job's rank 0 holds the run directory's lock: that refusal names the job first.
+        live = (f"belongs to job {job}, which is {state}", f"is in use by Slurm job {job} ")
+        assert any(s in lines[0] for s in (live if state == "RUNNING" else live[:1])), lines
         assert _jobs(slurm) == queued                            # nothing submitted
         assert (run_dir / "job.json").read_text() == job_json    # the run's records untouched
         assert (run_dir / "config.yaml").read_bytes() == config
