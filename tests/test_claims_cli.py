@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 from ckpt_helpers import REPO, hpc, one_line_exit2, show, snapshot, write_config
-from conftest import SMOKE
 from test_no_torch import probe
+
+# conftest's SMOKE (not imported: `conftest` is also tests/slurm/conftest.py once that one is loaded)
+SMOKE = ("--set", "model.name=linear", "--set", "data.name=synthetic", "--set", "data.synthetic_size=256",
+         "--set", "data.batch_size=16", "--set", "train.max_steps=4", "--set", "log.progress=lines")
 
 
 @pytest.fixture(scope="module")
