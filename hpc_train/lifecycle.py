@@ -80,8 +80,6 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
                 print(session_mod.finished_line(rd, done, f"{rundir.RESUME_ENV}=none"), file=sys.stderr)
             raise SystemExit(0)
         s = session_mod.begin(cfg, rd, own_process=False, escalate=True)
-        if s.is_main:   # before the group: a second job into a busy directory leaves at once
-            session_mod.claim(s, lock=not session_mod.launcher_holds_lock())
     except UsageError as e:
         session_mod.refuse_or_exit(e)
     owns = not dist.is_initialized()
@@ -137,19 +135,23 @@ def _report_lost_peers(run: Run) -> None:
 
 
 def _prepare(s: session_mod.Session, under_launcher: bool, resume: str) -> str | None:
-    """Rank 0, outside hpc_train's launchers (which did this before starting any process):
-    ``HPC_TRAIN_RESUME=none`` moves old checkpoints aside, the config is compared with the one
-    the checkpoints were made with, and written. Other ranks start their heartbeat. Returns
-    what refuses the run, or None."""
-    s.finished = None   # HPC_TRAIN_RESUME=none: a finished run starts over (its record moved aside)
+    """Rank 0: the run directory's lock (unless a launcher of ours holds it); outside hpc_train's
+    launchers (which did the rest before starting any process) ``HPC_TRAIN_RESUME=none`` moves
+    old checkpoints aside, the config is compared with the one the checkpoints were made with,
+    and written. Other ranks start their heartbeat. Returns what refuses the run, or None.
+    (A finished run was refused before: ``HPC_TRAIN_RESUME=none`` starts it over.)"""
     if not s.is_main:
         session_mod.claim(s, lock=False)
         s.finished = None
         return None
-    if under_launcher:
-        return None
     from hpc_train.ckpt import compat, store
     try:
+        # After the group is up, so that a refusal reaches every rank at once: a rank left waiting
+        # in the rendezvous would hang until dist.init_timeout_s (a plain srun does not end it).
+        session_mod.claim(s, lock=not session_mod.launcher_holds_lock())
+        s.finished = None
+        if under_launcher:
+            return None
         if resume != "none":
             compat.check_resume_changes(s.run_dir, s.cfg, log.warning)
         store.plan(s.run_dir, resume, None, warn=log.warning, verify=False)   # `none` moves aside
