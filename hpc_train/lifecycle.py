@@ -124,8 +124,8 @@ def _report_lost_peers(run: Run) -> None:
             import traceback
             line = watchdog.lost_peer_line(str(value), run.run_dir, run.world_size, run.rank)
             try:   # the traceback, for a bug report, where the worker keeps its own
-                rundir.rank_error(run.run_dir, run.rank).write_text(
-                    f"{line}\n\n{''.join(traceback.format_exception(kind, value, tb))}")
+                rundir.write_atomic(rundir.rank_error(run.run_dir, run.rank),
+                                    f"{line}\n\n{''.join(traceback.format_exception(kind, value, tb))}")
             except OSError:
                 pass
             print(f"hpc_train: rank {run.rank} on {os.uname().nodename}: {line}", file=sys.stderr)

@@ -177,7 +177,7 @@ def _all_finished(timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest) -
             host, pid = watchdog.holder(rd, gone[0])
             msg = (f"rank {gone[0]} (pid {pid} on {host}) left without finishing: its script never said it ended, "
                    f"and it has not beaten for {gone[1]:.0f}s")
-            rundir.rank_error(rd, env.rank).write_text(msg + "\n")
+            rundir.write_atomic(rundir.rank_error(rd, env.rank), msg + "\n")
             raise ScriptFailed(msg)
         time.sleep(0.1)
 

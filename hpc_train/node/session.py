@@ -78,15 +78,8 @@ class Session:
 def finished_result(run_dir: Path) -> dict[str, Any] | None:
     """The record of a finished run, or None. A damaged ``result.json`` still means finished
     (only a finished run writes it): its content is then unknown."""
-    path = Path(run_dir) / rundir.RESULT
-    if not path.exists():
-        return None
-    import json
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    return rec if isinstance(rec, dict) else {}
+    rec, problem = rundir.read_json(Path(run_dir) / rundir.RESULT)
+    return {} if problem is not None else rec
 
 
 def finished_line(run_dir: Path, result: dict[str, Any], how_to_restart: str) -> str:
