@@ -193,7 +193,9 @@ def _name_frozen(run_dir: Path, procs: list[subprocess.Popen], rank: int, age: f
     msg = watchdog.describe(run_dir, rank, age)
     print(f"hpc_train: {msg}; ending the run", file=sys.stderr, flush=True)
     rundir.write_atomic(rundir.rank_error(run_dir, rank), f"WatchdogError: {msg}\n")
-    _signal_all(procs, watchdog.DUMP_SIGNAL)
+    for p in procs:
+        if p.poll() is None:
+            watchdog.ask_for_stack(p.pid)
     _signal_all(procs, signal.SIGCONT)
     time.sleep(1.0)
 

@@ -172,6 +172,24 @@ def enable_stack_dumps(log_path: Path) -> None:
     faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True, chain=False)
 
 
+def ask_for_stack(pid: int) -> None:
+    """Have process ``pid`` write its Python stacks (see :func:`enable_stack_dumps`), sent to its
+    main thread (tgkill; the main thread's id is the pid). A signal sent to the process goes to
+    any of its threads: for a stopped process continued right after, another thread could take
+    it while the main thread runs on, and the dump would show where it went next instead of
+    where it stopped. The main thread takes its own signals first, before it runs any code."""
+    try:
+        import ctypes
+        tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+    except (OSError, AttributeError):
+        tgkill = None                     # not Linux, or a libc older than 2.30
+    try:
+        if tgkill is None or tgkill(pid, pid, int(DUMP_SIGNAL)) != 0:
+            os.kill(pid, DUMP_SIGNAL)
+    except ProcessLookupError:
+        pass
+
+
 def limit_for(timeout_s: float) -> float:
     """How old a heartbeat may get: half of ``dist.timeout_s``, so a frozen rank is named before
     its peers' collectives time out (and blame nobody), but never under three beats."""
