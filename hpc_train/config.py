@@ -73,6 +73,10 @@ class JobSection:
     requeue_preemption: int = _f(-1, min=-1)
     requeue_timeout: int = _f(20, min=-1)
     requeue_failure: int = _f(1, min=-1)
+    # A failed step (a rank crashed, the watchdog ended a hung rank) is first restarted inside
+    # the allocation, resuming from the newest complete checkpoint: at most this many times over
+    # the run (a restart without a newer checkpoint counts twice), then the failure budget.
+    restarts_in_place: int = _f(3, min=0)
 
 
 @dataclass

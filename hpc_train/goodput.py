@@ -10,6 +10,8 @@ the first submit splits exactly into:
   restart (taken from the ``metrics.jsonl`` lines the restart drops, so it is measured, not
   estimated). A graceful stop saves at its step, so a preemption redoes nothing;
 * **start-up**: process start (job start under Slurm) to the first step, less the load;
+* **recovery**: the same for a job step restarted in place after a failure (see
+  :func:`hpc_train.requeue.restart_in_place`): from the failed step's exit to the first step again;
 * **checkpoint**: save time that blocked training, and the load on resume;
 * **exit**: from the last step (or the stop's save) until every process has exited, as the
   local launcher or the batch shell's requeue hook sees it;
@@ -31,7 +33,7 @@ from typing import Any
 from hpc_train import rundir
 
 FILE = rundir.GOODPUT
-PARTS = ("training", "redone", "start-up", "checkpoint", "exit", "between runs")
+PARTS = ("training", "redone", "start-up", "recovery", "checkpoint", "exit", "between runs")
 
 
 # Start-up milestones of this process (time.time()), set as they pass (see :func:`mark`); the
@@ -173,6 +175,16 @@ def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, fl
     return len(later), max(0.0, last - start), last
 
 
+def _restarted_in_place(run_dir: Path, job_start: float) -> bool:
+    """This job step is an in-place restart: the batch shell's hook recorded one in this job
+    (after its start) in ``requeue.json``."""
+    from hpc_train.rundir import read_json
+    rec, _ = read_json(run_dir / rundir.REQUEUE)
+    events = rec.get("in_place") if isinstance(rec, dict) else None
+    return isinstance(events, list) and any(isinstance(e, dict) and _is_num(e.get("time"))
+                                            and e["time"] >= job_start for e in events)
+
+
 class Ledger:
     """Rank 0's writer for this process's segment. Every method is cheap and never raises:
     accounting must not end a training run."""
@@ -191,6 +203,8 @@ class Ledger:
                                     "save_block_s": 0.0, "redone_s": 0.0, "redone_steps": 0, "step_from": None,
                                     "step_to": None, "closed": False,
                                     "marks": {"process": round(own_start_time(), 3)}}
+        if _restarted_in_place(self.run_dir, started):
+            self.seg["in_place"] = True
         self.rec["segments"].append(self.seg)
 
     def restored(self, step: int, load_s: float) -> None:
@@ -294,7 +308,7 @@ def _breakdown(rec: dict[str, Any], now: float) -> dict[str, Any] | None:
         fs = s.get("first_step")
         fs = min(max(float(fs), start), end) if fs else end
         load = min(float(s.get("load_s") or 0.0), fs - start)
-        parts["start-up"] += fs - start - load
+        parts["recovery" if s.get("in_place") else "start-up"] += fs - start - load
         block = min(float(s.get("save_block_s") or 0.0), end - fs)
         redone = min(float(s.get("redone_s") or 0.0), end - fs - block)
         parts["checkpoint"] += load + block

@@ -16,6 +16,12 @@ within the failure budget and the next run resumes from the last complete checkp
 
 Budgets are counted per cause and per run (keyed on ``SLURM_RESTART_COUNT``), so preemptions
 never use up the time-limit budget. A finished run (``result.json``) is never requeued.
+
+A failure is first restarted **in place** (:func:`restart_in_place`): the batch shell runs
+``srun`` again in the allocation it holds, and the ranks resume from the newest complete
+checkpoint, with no trip through the queue. ``job.restarts_in_place`` bounds it over the run; a
+restart that made no progress (no newer checkpoint than at the restart before) counts twice, so
+a crash loop spends it quickly. Then failures fall back to the requeue and its failure budget.
 """
 
 from __future__ import annotations
@@ -111,6 +117,31 @@ def request(run_dir: Path, cause: str, target: str, restart: int, budgets: dict[
     write_atomic(run_dir / PENDING, json.dumps({"target": target, "cause": cause, "step": step}))
     limit = "unlimited" if budget < 0 else str(budget)
     return f"stopped by {cause} at step {step}; requeue {used + 1} of {limit} requested for {target}"
+
+
+def in_place_used(rec: dict[str, Any]) -> int:
+    """The in-place budget spent so far: each restart's charge (1, or 2 without progress)."""
+    return sum(int(e.get("charge", 1)) for e in rec.get("in_place", []) if isinstance(e, dict))
+
+
+def restart_in_place(run_dir: Path, limit: int, step: int, job: str) -> tuple[bool, str]:
+    """After a failed step: whether the batch shell starts ``srun`` again in this allocation
+    (counted in ``requeue.json``'s ``in_place`` list), and the message saying so or why not.
+    ``step``: the newest complete checkpoint's step (0: none)."""
+    rec = _load(Path(run_dir))
+    events = rec.setdefault("in_place", [])
+    if not isinstance(events, list):
+        events = rec["in_place"] = []
+    before = [e.get("step") for e in events if isinstance(e, dict)]
+    charge = 2 if before and before[-1] == step else 1     # no newer checkpoint: a crash loop
+    used = in_place_used(rec)
+    if used + charge > limit:
+        return False, (f"in-place restarts spent ({used} of {limit} used; a restart without a newer "
+                       f"checkpoint counts twice)")
+    events.append({"job": job, "step": step, "time": time.time(), "charge": charge})
+    _save(Path(run_dir), rec)
+    return True, (f"restarting in place from step {step} (in-place budget: {used + charge} of {limit} used"
+                  f"{'; no progress since the last restart, counted twice' if charge == 2 else ''})")
 
 
 def requested(run_dir: Path) -> bool:

@@ -76,7 +76,7 @@ def test_ledger_counts_redone_steps_and_adds_up_to_the_wall_time(tmp_path):
     assert b["parts"]["between runs"] >= 1.0          # the gap, and the kill's own time
     # The second run trained at most for as long as it ran, by the outside clock.
     assert b["parts"]["training"] <= (t_end - t_second) + (t_first_gone - t_first), b
-    assert len(b["parts"]) == 6 and all(v >= 0 for v in b["parts"].values()), b
+    assert len(b["parts"]) == 7 and all(v >= 0 for v in b["parts"].values()), b
 
     status = hpc("status", str(rd), timeout=60)
     assert status.returncode == 0, show(status)

@@ -26,7 +26,7 @@ HOSTILE_NAME = "a{{config_yaml}}b{{run_dir}}c{{setup}}$(touch {m}name)"
 
 def _prelude(script: str) -> str:
     """The script up to the training step: directives, config heredoc, setup, exports."""
-    head, sep, _ = script.partition("\nstatus=0\n")
+    head, sep, _ = script.partition("\nwhile :; do\n")
     assert sep, script
     return head + "\n"
 

@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 
 from hpc_train import rundir
-from hpc_train.errors import EXIT_STOPPED
-from hpc_train.requeue import PENDING, _load, _save, budgets_of, request
+from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
+from hpc_train.requeue import PENDING, _load, _save, budgets_of, request, restart_in_place
 
 UNFINISHED = EXIT_STOPPED   # the job's exit code for "stopped before the end and not requeued"
+# The hook's exit code that tells the batch shell to run srun again in the allocation it holds
+# (sysexits' EX_TEMPFAIL). A failure status equal to it is reported as 1.
+AGAIN = 75
 
 
 def _scontrol_requeue(target: str) -> tuple[bool, str]:
@@ -34,12 +37,13 @@ def _scontrol_requeue(target: str) -> tuple[bool, str]:
 
 
 def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
-         budgets: dict[str, int] | None = None) -> tuple[str, int]:
+         budgets: dict[str, int] | None = None, in_place: int | None = None) -> tuple[str, int]:
     """The batch shell's step after srun: issue the one requeue, or say why there is none.
 
     Returns the message and the exit code the batch script should end with: 0 for a finished
-    or requeued run, :data:`UNFINISHED` for a stop without requeue, srun's status for a failure
-    that is not requeued. A finished run counts as finished even if a late signal hit a task
+    or requeued run, :data:`UNFINISHED` for a stop without requeue, :data:`AGAIN` for a failure
+    restarted in place (``in_place``: ``job.restarts_in_place``, read from the config when None),
+    srun's status for a failure that is not requeued. A finished run counts as finished even if a late signal hit a task
     during its exit (srun then reports the signal, but every result is on disk).
     """
     env = dict(os.environ if env is None else env)
@@ -71,10 +75,21 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
         return f"NOT requeued: {final}", UNFINISHED
     if status != 0:
         target = _own_target(env)
+        step = _last_step(run_dir)
+        spent = ""
+        # Not for a refusal (usage errors: the same input fails the same way) or a stop.
+        if status not in (EXIT_USAGE, UNFINISHED):
+            if in_place is None:
+                in_place = _config(run_dir).job.restarts_in_place
+            again, why = restart_in_place(run_dir, in_place, step, target)
+            if again:
+                return f"task failed (exit {status}); {why}", AGAIN
+            spent = f"{why}; "
         restart = int(env.get("SLURM_RESTART_COUNT") or 0)
         if budgets is None:
-            budgets = _budgets_from_config(run_dir)
-        msg = request(run_dir, "failure", target, restart, budgets, _last_step(run_dir))
+            budgets = budgets_of(_config(run_dir).job)
+        msg = spent + request(run_dir, "failure", target, restart, budgets, step)
+        status = 1 if status == AGAIN else status
         if pending.exists():
             pending.unlink()
             ok, detail = _scontrol_requeue(target)
@@ -90,10 +105,9 @@ def _own_target(env: dict[str, str]) -> str:
     return f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID", "")
 
 
-def _budgets_from_config(run_dir: Path) -> dict[str, int]:
+def _config(run_dir: Path):
     from hpc_train import config
-    cfg = config.load(run_dir / rundir.CONFIG)
-    return budgets_of(cfg.job)
+    return config.load(run_dir / rundir.CONFIG)
 
 
 def _last_step(run_dir: Path) -> int:
@@ -109,7 +123,15 @@ def cmd_requeue_hook(args: argparse.Namespace) -> int:
     return code
 
 
+# The batch script runs srun in a loop: a failed step restarted in place (the hook exits with
+# AGAIN) starts a new job step in the same allocation. The line before srun:
+LOOP_START = "while :; do"
+
+
 def after_srun_lines(python: str, run_dir_expr: str = '"$RUN_DIR"') -> list[str]:
-    """Shell lines for a batch script, right after srun; ``status`` must hold srun's exit code.
-    The hook's exit code becomes the job's (see :func:`hook`)."""
-    return [f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status"', "status=$?"]
+    """Shell lines for a batch script, right after srun (inside the loop that
+    :data:`LOOP_START` opens); ``status`` must hold srun's exit code. They end the loop unless
+    the hook says to run srun again; the hook's exit code becomes the job's (see :func:`hook`)."""
+    # "|| hooked=$?": the sbatch script runs under set -e, which would end it at a non-zero hook.
+    return ["hooked=0", f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status" || hooked=$?',
+            'status="$hooked"', f'if [ "$status" -ne {AGAIN} ]; then break; fi', "done"]

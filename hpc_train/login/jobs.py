@@ -48,6 +48,9 @@ def _budget_line(run_dir: Path, unread: list[str]) -> str:
         unread.append(f"{requeue.STATE} {problem}")
         return ""
     text = ", ".join(f"{k} {v}" for k, v in (counts or {}).items())
+    events = rec.get("in_place") if rec is not None else None
+    if isinstance(events, list) and events:   # restarts in the allocation (a failure each): see login.hook
+        text += f"; restarts in place: failure {len(events)} (budget used {requeue.in_place_used(rec)})"
     return f"requeues: {text}" if text else ""
 
 

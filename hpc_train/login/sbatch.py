@@ -50,7 +50,6 @@ class SbatchScript:
     launcher: str = "srun"            # srun | torchrun
     command: str = ""
     resume: str = "latest"
-    after: str = ""                   # shell run after srun (the requeue fallback uses it)
 
     def materialize(self) -> str:
         job = self.cfg.job
@@ -78,7 +77,7 @@ class SbatchScript:
             "output": q(f"{self.run_dir}/slurm-%j.out"), "directives": "\n".join(directives),
             "run_dir": q(self.run_dir), "config_yaml": config_yaml, "eof": eof,
             "setup": "\n".join(job.setup), "python": q(sys.executable), "resume": q(self.resume),
-            "after": self.after or "\n".join(requeue.after_srun_lines(q(sys.executable))),
+            "after": "\n".join(requeue.after_srun_lines(q(sys.executable))),
         }
         return render((TEMPLATES / f"{self.launcher}.sbatch").read_text(), values)
 

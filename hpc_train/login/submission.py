@@ -89,7 +89,8 @@ def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str
     params: dict[str, Any] = dict(
         job_name=job.name, nodes=job.nodes, ntasks_per_node=scheduler.tasks_per_node(job),
         cpus_per_task=job.cpus_per_task, time=scheduler.time_minutes(job.time), signal_delay_s=job.signal_lead,
-        setup=list(job.setup) + [f"export SRUN_CPUS_PER_TASK={job.cpus_per_task}"],
+        # The srun line runs in a loop (a failed step is restarted in place: see login.hook).
+        setup=list(job.setup) + [f"export SRUN_CPUS_PER_TASK={job.cpus_per_task}", requeue.LOOP_START],
         # submitit writes --signal=$SUBMITIT_PREEMPT_SIGNAL@lead, reading that variable when it is
         # imported (so setting it here would be too late, and would leak into the caller's
         # environment). The job's own signal goes in as an sbatch parameter, which wins.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -44,6 +45,16 @@ class Cluster:
                        "-o", "JobID,State,ExitCode,NodeList,Start,End", check=True).stdout
         keys = ["JobID", "State", "ExitCode", "NodeList", "Start", "End"]
         return [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
+
+    def job_steps(self, job_id: str) -> list[str]:
+        """The job's numbered steps (``JOB.0``, ``JOB.1``, ...), as sacct lists them."""
+        out = self.run("sacct", "-n", "-P", "-j", job_id, "-o", "JobID", check=True).stdout.split()
+        return [x for x in out if re.fullmatch(rf"{job_id}\.\d+", x)]
+
+    def restarts(self, job_id: str) -> int:
+        """Slurm's ``Restarts`` of the job (requeues), from ``scontrol show job``."""
+        out = self.run("scontrol", "show", "job", job_id, check=True).stdout
+        return int(re.search(r"\bRestarts=(\d+)", out).group(1))
 
     def state(self, job_id: str) -> str:
         out = self.run("squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip()

@@ -173,11 +173,10 @@ def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
 
 
 def _two_node_job_at(slurm, run_dir: Path, max_steps: int, timeout_s: int, step: int) -> tuple[str, int]:
-    """Submit a 2-node job with a failure budget of 1 and wait until it has trained ``step``
-    steps: (its job id, rank 1's pid, from its log's on-node line)."""
+    """Submit a 2-node job and wait until it has trained ``step`` steps: (its job id, rank 1's
+    pid, from its log's on-node line)."""
     r = slurm.cli("submit", *BASE, "--set", f"train.max_steps={max_steps}", "--set", "checkpoint.every_steps=200",
-                  "--set", f"dist.timeout_s={timeout_s}", "--set", "job.requeue_failure=1",
-                  "--nodes", "2", "--run-dir", run_dir)
+                  "--set", f"dist.timeout_s={timeout_s}", "--nodes", "2", "--run-dir", run_dir)
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     slurm.wait_state(job, {"RUNNING"}, 120)
@@ -186,46 +185,68 @@ def _two_node_job_at(slurm, run_dir: Path, max_steps: int, timeout_s: int, step:
     return job, int(re.search(r"pid (\d+)", line).group(1))
 
 
-def test_killed_rank_ends_the_job_and_failure_budget_resumes_it(slurm, tmp_path):
+def _restarted_in_place_after(run_dir: Path, fault_at: float, bound_s: float) -> float:
+    """Seconds from the fault (``time.time()``) until the batch shell's hook decided to restart
+    the failed step in place (its ``requeue.json`` event), waiting at most ``bound_s``."""
+    deadline = time.time() + bound_s + 30
+    while time.time() < deadline:
+        try:
+            events = json.loads((run_dir / "requeue.json").read_text()).get("in_place", [])
+        except (OSError, ValueError):
+            events = []
+        if events:
+            return events[0]["time"] - fault_at
+        time.sleep(0.5)
+    raise AssertionError(f"no restart in place {bound_s + 30:.0f}s after the fault")
+
+
+def _assert_recovered_in_place(slurm, job: str, run_dir: Path, steps: int) -> str:
+    """COMPLETED without going back to the queue: Restarts=0, one sacct record, a second job
+    step, the failure budget untouched, one in-place restart, resumed from a checkpoint. Returns
+    rank 0's log."""
+    assert slurm.wait_done(job, 300) == "COMPLETED"
+    assert slurm.restarts(job) == 0 and len(slurm.sacct(job)) == 1, slurm.sacct(job)
+    assert len(slurm.job_steps(job)) >= 2, slurm.job_steps(job)
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert rec["counts"]["failure"] == 0 and len(rec["in_place"]) == 1, rec
+    log0 = (run_dir / "logs" / "rank-0.log").read_text()
+    assert re.search(r"resumed from \S+step-\d+: step \d+", log0), log0[-3000:]
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == steps
+    goodput = json.loads((run_dir / "goodput.json").read_text())["segments"]
+    assert [bool(s.get("in_place")) for s in goodput][-2:] == [False, True], goodput
+    return log0
+
+
+def test_killed_rank_is_restarted_in_place_without_a_requeue(slurm, tmp_path):
+    """kill -9 of rank 1 on the second node: the step ends (srun --kill-on-bad-exit), the batch
+    shell starts a new step in the same allocation, which resumes from the newest checkpoint."""
     run_dir = tmp_path / "job"
     timeout_s = 30
     job, pid = _two_node_job_at(slurm, run_dir, 2000, timeout_s, 500)
     os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    while slurm.state(job).split()[0] == "RUNNING" and time.monotonic() - killed < timeout_s + 60:
-        time.sleep(0.5)
-    ended_after = time.monotonic() - killed
-    # A bound on a hang (the job must not outlive a dead rank), not a speed requirement.
-    assert ended_after < timeout_s + 30, f"the job kept running {ended_after:.0f}s after a rank died"
-    assert slurm.wait_done(job, 300) == "COMPLETED"
-    assert json.loads((run_dir / "requeue.json").read_text())["counts"]["failure"] == 1
-    assert re.search(r"resumed from \S+step-\d+: step \d+", (run_dir / "logs" / "rank-0.log").read_text())
-    assert json.loads((run_dir / "result.json").read_text())["steps"] == 2000
+    took = _restarted_in_place_after(run_dir, time.time(), timeout_s)
+    print(f"kill -9 of rank 1 on Slurm: restarted in place {took:.1f} s later")
+    # A bound on a hang (the step must not outlive a dead rank), not a speed requirement.
+    assert took < timeout_s + 30, f"the step kept running {took:.0f}s after a rank died"
+    _assert_recovered_in_place(slurm, job, run_dir, 2000)
 
 
-def test_stopped_rank_is_named_with_its_stack_and_the_failure_budget_resumes_it(slurm, tmp_path):
+def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_path):
     """A rank that stops responding on another node (SIGSTOP, a real frozen process): rank 0's
     watchdog names it, its stack reaches its log through Slurm, the step ends within
-    dist.timeout_s + 60 s, and the failure budget requeues the job, which resumes and completes."""
+    dist.timeout_s + 60 s, and a new step in the same allocation resumes and completes."""
     run_dir = tmp_path / "job"
     timeout_s = 15
     job, pid = _two_node_job_at(slurm, run_dir, 1500, timeout_s, 300)
     os.kill(pid, signal.SIGSTOP)
-    stopped = time.monotonic()
     try:
-        while slurm.state(job).split()[0] == "RUNNING" and time.monotonic() - stopped < timeout_s + 90:
-            time.sleep(0.5)
+        took = _restarted_in_place_after(run_dir, time.time(), timeout_s + 60)
     finally:
         if Path(f"/proc/{pid}").exists():
             os.kill(pid, signal.SIGCONT)
-    ended_after = time.monotonic() - stopped
-    print(f"SIGSTOP of rank 1 on Slurm: the job step ended {ended_after:.1f} s later")
-    assert ended_after < timeout_s + 60, f"the job kept running {ended_after:.0f}s after a rank froze"   # a hang bound
-    assert slurm.wait_done(job, 300) == "COMPLETED"
-    log0 = (run_dir / "logs" / "rank-0.log").read_text()
+    print(f"SIGSTOP of rank 1 on Slurm: the step ended and restarted in place {took:.1f} s later")
+    assert took < timeout_s + 60, f"the step kept running {took:.0f}s after a rank froze"   # a hang bound
+    log0 = _assert_recovered_in_place(slurm, job, run_dir, 1500)
     assert f"rank 1 (pid {pid} on " in log0 and "stopped responding" in log0, log0[-3000:]
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
     assert "most recent call first" in log1, log1[-3000:]   # faulthandler's dump, asked for through scancel
-    assert json.loads((run_dir / "requeue.json").read_text())["counts"]["failure"] == 1
-    assert re.search(r"resumed from \S+step-\d+: step \d+", log0)
-    assert json.loads((run_dir / "result.json").read_text())["steps"] == 1500

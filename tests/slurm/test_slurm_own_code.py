@@ -5,7 +5,9 @@ finished COMPLETED; the own loop bitwise equal to a local straight run at the sa
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -71,14 +73,42 @@ def _check_finished_bitwise(slurm, job_id: str, run_dir: Path, tmp_path: Path, r
     assert_bitwise(ref_weights, export(slurm, run_dir, tmp_path / "job.pt"))
 
 
-def test_own_loop_script_preempted_twice_is_bitwise(slurm, local_reference, tmp_path):
+def _kill_rank1_at(slurm, job_id: str, run_dir: Path, step: int) -> None:
+    """Once the job trains past ``step``: kill -9 rank 1's training process (its newest on-node
+    line names it), then wait until the batch shell restarts the step in place."""
+    slurm.wait_state(job_id, {"RUNNING"}, 120)
+    deadline = time.monotonic() + 240
+    while _steps(run_dir) < step:
+        assert time.monotonic() < deadline, f"no progress past step {_steps(run_dir)} in {run_dir}"
+        time.sleep(0.3)
+    line = [x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if "on-node" in x][-1]
+    os.kill(int(re.search(r"pid (\d+)", line).group(1)), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not json.loads((run_dir / "requeue.json").read_text()).get("in_place"):
+        assert time.monotonic() < deadline, "the killed rank's step was not restarted in place"
+        time.sleep(0.5)
+
+
+def test_own_loop_script_preempted_then_killed_is_bitwise(slurm, local_reference, tmp_path):
+    """Preempted once (requeued through the queue), then rank 1 killed -9 (restarted in place, in
+    the same allocation): COMPLETED, one requeue, and bitwise the straight local run."""
     run_dir = tmp_path / "job"
     r = slurm.cli("submit", "--script", CHARLM, "--nodes", "2", "--partition", "low", *SETS, "--run-dir", run_dir,
                   "--", "--steps", str(STEPS))
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
-    _preempt_at(slurm, job, run_dir, [300, 1300])
-    _check_finished_bitwise(slurm, job, run_dir, tmp_path, local_reference)
+    _preempt_at(slurm, job, run_dir, [300])
+    _kill_rank1_at(slurm, job, run_dir, 1300)
+    assert slurm.wait_done(job, 400) == "COMPLETED"
+    assert slurm.restarts(job) == 1 and len(slurm.sacct(job)) == 2, slurm.sacct(job)   # the preemption only
+    assert len(slurm.job_steps(job)) >= 2, slurm.job_steps(job)     # the killed step and its restart
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert rec["counts"] == {"preemption": 1, "timeout": 0, "failure": 0} and len(rec["in_place"]) == 1, rec
+    pairs = _stop_resume_pairs(run_dir)
+    assert len(pairs) == 1 and pairs[0][0] == pairs[0][1], pairs
+    ref_losses, ref_weights = local_reference
+    assert losses(run_dir) == ref_losses
+    assert_bitwise(ref_weights, export(slurm, run_dir, tmp_path / "job.pt"))
     assert json.loads((run_dir / "result.json").read_text())["steps"] == STEPS
 
 

@@ -32,7 +32,7 @@ BASE = [str(ROOT / "jobs" / "digits.yaml"), "--set", f"model.name={PLUG}:fail_wh
         "--set", f"data.name={PLUG}:slow_data", "--set", "data.synthetic_size=256",
         "--set", "train.max_steps=120", "--set", "train.log_every=1", "--set", "train.eval=false",
         "--set", "log.tensorboard=false", "--set", "log.progress=lines", "--set", "checkpoint.every_steps=10",
-        "--set", "job.requeue_failure=0", "--nodes", "1"]
+        "--set", "job.requeue_failure=0", "--set", "job.restarts_in_place=0", "--nodes", "1"]
 SWEEP = "grid:\n  optim.lr: [0.05, 0.1]\nseeds: [1, 2]\n"
 POINTS = [("0.05", "1"), ("0.05", "2"), ("0.1", "1"), ("0.1", "2")]
 FAILING = 3

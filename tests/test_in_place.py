@@ -1,0 +1,87 @@
+"""Issue 21, the batch script's side of in-place recovery: a failed job step is started again in
+the same allocation while ``job.restarts_in_place`` lasts (a restart without a newer checkpoint
+counts twice), then the requeue and its failure budget take over, then the job ends naming the
+cause. The script ``sbatch`` renders runs in a real bash with the real requeue hook; only
+``srun`` and ``scontrol`` stand in for the scheduler (shell functions and a PATH entry: a job
+step's exit code is what the hook sees, and a requeue must not reach the real local cluster).
+The same loop end to end on Slurm: tests/slurm/test_preemption.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import hpc, show
+
+
+def _script(tmp_path: Path, *sets: str, launcher: str = "srun") -> tuple[str, Path]:
+    rd = tmp_path / "run"
+    out = tmp_path / "job.sbatch"
+    p = hpc("sbatch", "jobs/digits.yaml", "--run-dir", rd, "-o", out, "--launcher", launcher,
+            *(x for s in sets for x in ("--set", s)))
+    assert p.returncode == 0, show(p)
+    return out.read_text(), rd
+
+
+def _job(tmp_path: Path, script: str, fails: int, restart_count: int = 0) -> subprocess.CompletedProcess:
+    """Run the batch script as Slurm would; its ``srun`` fails ``fails`` times in this job, then
+    finishes the run (writes result.json). Every call is counted in ``srun.calls``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\nif [ "$1" = show ]; then echo node1; else echo "$@" >> {tmp_path}/scontrol.calls; fi\n')
+    scontrol.chmod(0o755)
+    srun = (f'srun() {{ n=$(( $(cat {tmp_path}/srun.calls 2>/dev/null || echo 0) + 1 )); '
+            f'echo "$n" > {tmp_path}/srun.calls; '
+            f'if [ "$n" -le {fails} ]; then return 1; fi; echo "{{}}" > "$RUN_DIR/result.json"; }}\n')
+    (tmp_path / "srun.calls").unlink(missing_ok=True)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_RESTART_COUNT": str(restart_count), "SLURM_JOB_START_TIME": "1"}
+    return subprocess.run(["bash", "-c", srun + script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def _calls(tmp_path: Path, name: str) -> str:
+    f = tmp_path / f"{name}.calls"
+    return f.read_text() if f.exists() else ""
+
+
+def test_a_failed_step_is_started_again_in_the_allocation(tmp_path):
+    script, rd = _script(tmp_path)
+    job = _job(tmp_path, script, fails=2)
+    assert job.returncode == 0, job.stderr
+    assert _calls(tmp_path, "srun").strip() == "3"          # two failed steps, then the one that finished
+    assert _calls(tmp_path, "scontrol") == ""               # never through the queue
+    rec = json.loads((rd / "requeue.json").read_text())
+    # No checkpoint between the two failures (step 0 both times): the second counts twice.
+    assert [(e["step"], e["charge"]) for e in rec["in_place"]] == [(0, 1), (0, 2)], rec
+    assert rec["counts"]["failure"] == 0
+    assert job.stderr.count("restarting in place from step 0") == 2, job.stderr
+    st = hpc("status", rd)
+    assert "restarts in place: failure 2 (budget used 3)" in st.stdout, show(st)
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_a_crash_loop_spends_the_in_place_budget_then_the_failure_budget_then_ends(tmp_path, launcher):
+    script, rd = _script(tmp_path, "job.restarts_in_place=3", "job.requeue_failure=1", launcher=launcher)
+    (rd / "checkpoints").mkdir(parents=True, exist_ok=True)
+    keep = rd / "checkpoints" / "kept.txt"
+    keep.write_text("nothing is deleted")
+    first = _job(tmp_path, script, fails=99)
+    # 1 + 2 (no progress) = 3 of 3: the third failure falls back to the requeue.
+    assert _calls(tmp_path, "srun").strip() == "3", first.stderr
+    assert first.returncode == 0, first.stderr                 # requeued: the job itself ends well
+    assert _calls(tmp_path, "scontrol").split() == ["requeue", "7"]
+    assert "in-place restarts spent (3 of 3 used" in first.stderr and "requeued" in first.stderr, first.stderr
+    again = _job(tmp_path, script, fails=99, restart_count=1)   # the requeued job: the same crash
+    assert _calls(tmp_path, "srun").strip() == "1", again.stderr
+    assert again.returncode == 1, again.stderr
+    last = [ln for ln in again.stderr.splitlines() if ln.startswith("hpc_train requeue-hook:")]
+    assert len(last) == 1 and "failure budget (1) spent, not requeued" in last[0], again.stderr
+    assert _calls(tmp_path, "scontrol").split() == ["requeue", "7"]   # no second requeue
+    assert keep.read_text() == "nothing is deleted"
+    assert not (rd / "result.json").exists()
