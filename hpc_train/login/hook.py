@@ -43,8 +43,9 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
     Returns the message and the exit code the batch script should end with: 0 for a finished
     or requeued run, :data:`UNFINISHED` for a stop without requeue, :data:`AGAIN` for a failure
     restarted in place (``in_place``: ``job.restarts_in_place``, read from the config when None),
-    srun's status for a failure that is not requeued. A finished run counts as finished even if a late signal hit a task
-    during its exit (srun then reports the signal, but every result is on disk).
+    srun's status for a failure that is not requeued. A finished run counts as finished even if
+    a late signal hit a task during its exit (srun then reports the signal, but every result is
+    on disk).
     """
     env = dict(os.environ if env is None else env)
     run_dir = Path(run_dir)
