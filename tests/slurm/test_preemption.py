@@ -41,15 +41,24 @@ def _stop_resume_pairs(run_dir: Path) -> list[tuple[int, int]]:
     return list(zip(saved, resumed))
 
 
-def _reference(slurm, tmp_path: Path, flags: list[str]) -> dict:
-    r = slurm.cli("run", *BASE, *flags, "--nproc", "2", "--run-dir", tmp_path / "ref", timeout=600)
+# One uninterrupted local run (2 processes, the same config) that every job below must equal:
+# the checkpoint interval and dist.timeout_s, which they vary, do not change the arithmetic.
+STEPS = 2000
+REF_FLAGS = ["--set", f"train.max_steps={STEPS}", "--set", "checkpoint.every_steps=500"]
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory) -> tuple[dict, dict[int, float]]:
+    """(the final weights, the loss per step) of the uninterrupted run."""
+    d = tmp_path_factory.mktemp("ref")
+    r = cluster.cli("run", *BASE, *REF_FLAGS, "--nproc", "2", "--run-dir", d / "ref", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return export(slurm, tmp_path / "ref", tmp_path / "ref.pt")
+    return export(cluster, d / "ref", d / "ref.pt"), losses(d / "ref")
 
 
-def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monkeypatch):
-    flags = ["--set", "train.max_steps=2500"]
-    ref = _reference(slurm, tmp_path, flags)
+def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, reference, tmp_path, monkeypatch):
+    flags = REF_FLAGS
+    ref, ref_losses = reference
     run_dir = tmp_path / "job"
     # The Python API, so the submitting side's submitit Job can be checked after the requeues.
     for k, v in slurm.env.items():
@@ -66,7 +75,7 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monk
                          "--wrap", "sleep 2", check=True).stdout.strip()
         slurm.wait_done(high, 180)
     result = job.results()[0]       # submitit sees the final run's result, not a stopped one
-    assert result["steps"] == 2500 and not result["stopped"]
+    assert result["steps"] == STEPS and not result["stopped"]
     assert slurm.wait_done(job.job_id, 60) == "COMPLETED"   # the result is written before the job ends
     runs = slurm.sacct(job.job_id)
     assert [r["State"] for r in runs][-1] == "COMPLETED" and len(runs) == 3, runs
@@ -77,8 +86,8 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monk
     assert counts == {"preemption": 2, "timeout": 0, "failure": 0}, counts
     assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
     # every step once in the metrics, with the uninterrupted run's loss
-    ref_losses, got = losses(tmp_path / "ref"), losses(run_dir)
-    assert sorted(ref_losses) == list(range(1, 2501)), len(ref_losses)   # not two empty dicts
+    got = losses(run_dir)
+    assert sorted(ref_losses) == list(range(1, STEPS + 1)), len(ref_losses)   # not two empty dicts
     assert got == ref_losses
     status = slurm.cli("status", run_dir)
     assert "restarts 2" in status.stdout and "preemption 2" in status.stdout, status.stdout
@@ -99,13 +108,12 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, tmp_path, monk
     assert "goodput:" in status.stdout
 
 
-def test_time_limit_requeues_itself_and_finishes_bitwise(slurm, tmp_path):
-    # A 1-minute limit with the signal 20 s ahead: slurmctld's 30 s tick puts the signal
-    # 10-40 s into each run, so ~45 s of steps need at least two runs.
-    flags = ["--set", "train.max_steps=3500", "--set", "checkpoint.every_steps=500"]
-    ref = _reference(slurm, tmp_path, flags)
+def test_time_limit_requeues_itself_and_finishes_bitwise(slurm, reference, tmp_path):
+    # A 1-minute limit with the signal 20 s ahead: slurmctld's 30 s tick puts the signal 10-40 s
+    # into each run. At ~30 ms a step, no run trains 2000 steps: at least two runs.
+    ref, _ = reference
     run_dir = tmp_path / "job"
-    r = slurm.cli("submit", *BASE, *flags, "--nodes", "2", "--time", "1", "--signal-lead", "20",
+    r = slurm.cli("submit", *BASE, *REF_FLAGS, "--nodes", "2", "--time", "1", "--signal-lead", "20",
                   "--run-dir", run_dir, "--wait", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
@@ -217,18 +225,22 @@ def _assert_recovered_in_place(slurm, job: str, run_dir: Path, steps: int) -> st
     return log0
 
 
-def test_killed_rank_is_restarted_in_place_without_a_requeue(slurm, tmp_path):
+def test_killed_rank_is_restarted_in_place_without_a_requeue(slurm, reference, tmp_path):
     """kill -9 of rank 1 on the second node: the step ends (srun --kill-on-bad-exit), the batch
-    shell starts a new step in the same allocation, which resumes from the newest checkpoint."""
+    shell starts a new step in the same allocation, which resumes from the newest checkpoint and
+    ends bitwise equal to the uninterrupted run (the steps after that checkpoint trained again)."""
     run_dir = tmp_path / "job"
     timeout_s = 30
-    job, pid = _two_node_job_at(slurm, run_dir, 2000, timeout_s, 500)
+    job, pid = _two_node_job_at(slurm, run_dir, STEPS, timeout_s, 500)
     os.kill(pid, signal.SIGKILL)
     took = _restarted_in_place_after(run_dir, time.time(), timeout_s)
     print(f"kill -9 of rank 1 on Slurm: restarted in place {took:.1f} s later")
     # A bound on a hang (the step must not outlive a dead rank), not a speed requirement.
     assert took < timeout_s + 30, f"the step kept running {took:.0f}s after a rank died"
-    _assert_recovered_in_place(slurm, job, run_dir, 2000)
+    _assert_recovered_in_place(slurm, job, run_dir, STEPS)
+    ref, ref_losses = reference
+    assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
+    assert losses(run_dir) == ref_losses
 
 
 def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_path):

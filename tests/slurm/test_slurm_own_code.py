@@ -130,7 +130,17 @@ def test_python_api_callable_preempted_twice_is_bitwise(slurm, local_reference, 
     _check_finished_bitwise(slurm, job.job_id, run_dir, tmp_path, local_reference)
 
 
-def test_unaware_torchrun_script_is_requeued_and_resumes_from_its_snapshot(slurm, tmp_path):
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_unaware_torchrun_script_is_requeued_then_restarted_in_place_from_its_snapshot(slurm, tmp_path):
+    """A script that knows nothing of hpc_train: preempted (requeued), then, in the requeued job,
+    rank 1's script process killed -9 (restarted in place, no second requeue); each restart
+    resumes from the script's own snapshot, and the job completes."""
     run_dir, snap = tmp_path / "job", tmp_path / "snap.pt"
     r = slurm.cli("submit", "--script", str(ROOT / "jobs" / "ddp_snapshot.py"), "--nodes", "2", "--partition", "low",
                   "--run-dir", run_dir, "--", "--epochs", "10", "--epoch-sleep", "1.5", "--snapshot", snap)
@@ -144,20 +154,32 @@ def test_unaware_torchrun_script_is_requeued_and_resumes_from_its_snapshot(slurm
     high = slurm.run("sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", "/dev/null",
                      "--wrap", "sleep 2", check=True).stdout.strip()
     slurm.wait_done(high, 180)
+    log0 = run_dir / "logs" / "rank-0.log"
+    deadline = time.monotonic() + 180      # the requeued run resumed and trains an epoch further
+    while not re.search(r"resuming training from snapshot at epoch \d+[\s\S]*epoch \d+ loss", log0.read_text()):
+        assert time.monotonic() < deadline, log0.read_text()[-3000:]
+        time.sleep(0.3)
+    supervisor = int(re.search(r"pid (\d+)", [x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines()
+                                               if "on-node" in x][-1]).group(1))
+    script = _children(supervisor)
+    assert len(script) == 1, script
+    os.kill(script[0], signal.SIGKILL)
     assert slurm.wait_done(job, 400) == "COMPLETED"
     runs = slurm.sacct(job)
-    assert len(runs) == 2 and runs[-1]["State"] == "COMPLETED", runs
-    assert json.loads((run_dir / "requeue.json").read_text())["counts"]["preemption"] == 1
-    log0 = (run_dir / "logs" / "rank-0.log").read_text()
-    assert re.search(r"resuming training from snapshot at epoch [1-9]", log0), log0[-3000:]
+    assert len(runs) == 2 and runs[-1]["State"] == "COMPLETED", runs      # one requeue: the preemption
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert rec["counts"]["preemption"] == 1 and rec["counts"]["failure"] == 0 and len(rec["in_place"]) == 1, rec
+    log0 = log0.read_text()
+    assert len(re.findall(r"resuming training from snapshot at epoch [1-9]", log0)) == 2, log0[-3000:]
     assert "epoch 9 loss" in log0
-    for rank in (0, 1):       # torchrun's variables on every rank, under srun, in both runs
+    for rank in (0, 1):       # torchrun's variables on every rank, under srun, in all three runs
         lines = [x for x in (run_dir / "logs" / f"rank-{rank}.log").read_text().splitlines()
                  if x.startswith("torchrun variables:")]
-        assert len(lines) == 2, lines
+        assert len(lines) == 3, lines
         assert all(f"RANK={rank} LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 GROUP_RANK={rank} MASTER_ADDR=node1 "
                    in x for x in lines), lines
     assert (run_dir / "result.json").exists()
     # A script that knows nothing of hpc_train: its supervisor keeps the run's records all the same.
     assert not (run_dir / "stopped.json").exists(), "a stale stopped.json after the run finished"
-    assert len(json.loads((run_dir / "goodput.json").read_text())["segments"]) == 2
+    segments = json.loads((run_dir / "goodput.json").read_text())["segments"]
+    assert len(segments) == 3 and [bool(s.get("in_place")) for s in segments] == [False, False, True], segments

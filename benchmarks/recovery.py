@@ -1,0 +1,130 @@
+"""A failure recovered in place against the same failure recovered by a requeue, side by side.
+
+On 2 nodes of the local Slurm cluster, a job of >= 100 MB of state (an MLP with a wide hidden
+layer, Adam; a checkpoint every 10 steps) trains; 20 steps after its first, rank 1's training
+process is killed with SIGKILL, for real. Two variants, interleaved rep by rep, a new job each:
+
+* **in place**: the batch script's hook starts a new job step in the allocation it holds
+  (``job.restarts_in_place``, the default);
+* **requeue**: ``job.restarts_in_place=0``: the hook issues ``scontrol requeue`` and the job goes
+  back through the queue (hpc_train's behaviour before in-place restarts).
+
+Phases, from the run's own timestamps (the goodput ledger's segments and milestones, and
+``requeue.json``; nothing in the loop is there for the benchmark): kill -> every task of the
+step exited (detection and step end: srun --kill-on-bad-exit) -> the hook's decision ->
+rank 0's new process start (relaunch: a new srun, or Slurm's requeue, pending and scheduling)
+-> worker, torch, process group, model and data built -> checkpoint loaded -> first step.
+Then goodput with one such failure every 60 s, projected from what a failure cost: the time
+from the kill to the first step again, plus the steps trained after the last checkpoint and
+trained again (the ledger's ``redone``): goodput = 1 - lost / 60.
+
+Target (issue 21): kill -> first step again <= 10 s in place. A repetition that fails is
+reported and the rest go on.
+
+Usage: .venv/bin/python benchmarks/recovery.py [--reps N]
+The cluster is started (and stopped) here if it is not up; that needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from preemption import _json, sets, steps_done, submit, wait_gone  # noqa: E402
+from reps import Reps  # noqa: E402
+from submit_latency import local_cluster  # noqa: E402
+
+VARIANTS = {"in place": sets(job__restarts_in_place=100, job__requeue_failure=0),
+            "requeue": sets(job__restarts_in_place=0, job__requeue_failure=100)}
+PERIOD_S = 60.0
+PHASES = ["kill -> every task of the step exited (detection, step end)",
+          "  -> the hook's decision (in place, or scontrol requeue)",
+          "  -> rank 0's new process start (relaunch)",
+          "  -> worker, torch imported, process group ready",
+          "  -> model and data built",
+          "  -> checkpoint loaded",
+          "  -> first step done",
+          "kill -> first step again",
+          "steps redone (s)"]
+
+
+def _rank1_pid(run_dir: Path) -> int:
+    line = [x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if "on-node" in x][-1]
+    return int(re.search(r"pid (\d+)", line).group(1))
+
+
+def one(env, tmp: Path, variant: str, i: int) -> list[float]:
+    run_dir = tmp / f"{variant.replace(' ', '-')}-{i}"
+    # 784 x 11000 + 11000 x 10 weights, Adam: ~8.7 M parameters, ~105 MB of state.
+    job = submit(env, run_dir, *sets(model__name="mlp", model__hidden=11000, train__max_steps=100000,
+                                     train__log_every=1, checkpoint__every_steps=10), *VARIANTS[variant])
+    try:
+        _json(run_dir / "goodput.json", lambda r: r["segments"] and r["segments"][-1].get("first_step"), 600)
+        target = steps_done(run_dir) + 20
+        deadline = time.monotonic() + 600
+        while steps_done(run_dir) < target:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{run_dir}: step {target} not reached within 600 s")
+            time.sleep(0.1)
+        os.kill(_rank1_pid(run_dir), signal.SIGKILL)
+        killed = time.time()
+        rec = _json(run_dir / "requeue.json", lambda r: r.get("in_place") or r.get("requeued_at"), 600)
+        decided = (rec.get("in_place") or [{}])[-1].get("time") or rec["requeued_at"][-1]
+        ledger = _json(run_dir / "goodput.json", lambda r: len(r["segments"]) >= 2
+                       and r["segments"][-1].get("first_step"), 600)
+    finally:
+        subprocess.run(["scancel", job], env=env)
+        wait_gone(env, job)
+    before, after = ledger["segments"][-2], ledger["segments"][-1]
+    m = after["marks"]
+    return [before["exited"] - killed, decided - before["exited"], m["process"] - decided,
+            m["group"] - m["process"], m["restore"] - m["group"], m["loaded"] - m["restore"],
+            after["first_step"] - m["loaded"], after["first_step"] - killed, float(before.get("redone_s") or 0.0)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    reps = Reps()
+    with local_cluster() as env, tempfile.TemporaryDirectory() as tmp:
+        for i in range(1, args.reps + 1):
+            for variant in VARIANTS:
+                reps.run(variant, i, lambda: one(env, Path(tmp), variant, i))
+    rows = {v: reps.values(v) for v in VARIANTS}
+    print(f"\nkill -9 of rank 1 on 2 nodes, ~105 MB of state, a checkpoint every 10 steps; seconds, "
+          f"median over the repetitions (in place: {reps.basis('in place')}; requeue: {reps.basis('requeue')}):")
+    print(f"   {'phase':62s}{'in place':>10s}{'requeue':>10s}")
+
+    def med(v: str, j: int) -> str:
+        import statistics
+        return f"{statistics.median(r[j] for r in rows[v]):10.2f}" if rows[v] else f"{'-':>10s}"
+    for j, name in enumerate(PHASES):
+        print(f"   {name:62s}" + "".join(med(v, j) for v in VARIANTS))
+    for v in VARIANTS:
+        if rows[v]:
+            print(f"   {v}: every rep, kill -> first step again: {[round(r[7], 2) for r in rows[v]]}")
+    for v in VARIANTS:
+        if rows[v]:
+            import statistics
+            lost = statistics.median(r[7] + r[8] for r in rows[v])
+            print(f"   goodput with one failure every {PERIOD_S:.0f} s, {v}: {max(0.0, 1 - lost / PERIOD_S):.3f} "
+                  f"(lost per failure {lost:.1f} s)")
+    if rows["in place"]:
+        import statistics
+        t = statistics.median(r[7] for r in rows["in place"])
+        print(f"   target: kill -> first step again in place <= 10 s: {t:.2f} s, {'met' if t <= 10 else 'MISSED'}")
+    return reps.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
