@@ -175,14 +175,17 @@ def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, fl
     return len(later), max(0.0, last - start), last
 
 
-def _restarted_in_place(run_dir: Path, job_start: float) -> bool:
-    """This job step is an in-place restart: the batch shell's hook recorded one in this job
-    (after its start) in ``requeue.json``."""
+def _restarted_in_place(run_dir: Path, segments: list) -> bool:
+    """This process starts a job step restarted in place: the batch shell's hook recorded an
+    in-place restart (``requeue.json``) after the previous segment began."""
     from hpc_train.rundir import read_json
+    prev = segments[-1].get("start") if segments and isinstance(segments[-1], dict) else None
+    if not _is_num(prev):
+        return False
     rec, _ = read_json(run_dir / rundir.REQUEUE)
     events = rec.get("in_place") if isinstance(rec, dict) else None
     return isinstance(events, list) and any(isinstance(e, dict) and _is_num(e.get("time"))
-                                            and e["time"] >= job_start for e in events)
+                                            and e["time"] > prev for e in events)
 
 
 class Ledger:
@@ -203,7 +206,7 @@ class Ledger:
                                     "save_block_s": 0.0, "redone_s": 0.0, "redone_steps": 0, "step_from": None,
                                     "step_to": None, "closed": False,
                                     "marks": {"process": round(own_start_time(), 3)}}
-        if _restarted_in_place(self.run_dir, started):
+        if _restarted_in_place(self.run_dir, self.rec["segments"]):
             self.seg["in_place"] = True
         self.rec["segments"].append(self.seg)
 
