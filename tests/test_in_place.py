@@ -85,3 +85,14 @@ def test_a_crash_loop_spends_the_in_place_budget_then_the_failure_budget_then_en
     assert _calls(tmp_path, "scontrol").split() == ["requeue", "7"]   # no second requeue
     assert keep.read_text() == "nothing is deleted"
     assert not (rd / "result.json").exists()
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_a_bad_in_place_budget_is_refused_in_one_line_and_nothing_is_written(tmp_path, value):
+    rd = tmp_path / "run"
+    p = hpc("sbatch", "jobs/digits.yaml", "--run-dir", rd, "-o", tmp_path / "job.sbatch",
+            "--set", f"job.restarts_in_place={value}")
+    assert p.returncode == 2, show(p)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "job.restarts_in_place" in lines[0] and "Traceback" not in p.stderr, show(p)
+    assert not (tmp_path / "job.sbatch").exists() and not rd.exists()
