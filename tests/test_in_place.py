@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +29,10 @@ def _script(tmp_path: Path, *sets: str, launcher: str = "srun") -> tuple[str, Pa
     return out.read_text(), rd
 
 
-def _job(tmp_path: Path, script: str, fails: int, restart_count: int = 0) -> subprocess.CompletedProcess:
+def _job(tmp_path: Path, script: str, fails: int, restart_count: int = 0, first: str = "") -> subprocess.CompletedProcess:
     """Run the batch script as Slurm would; its ``srun`` fails ``fails`` times in this job, then
-    finishes the run (writes result.json). Every call is counted in ``srun.calls``."""
+    finishes the run (writes result.json). Every call is counted in ``srun.calls``. ``first``:
+    shell run instead by the first call."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     scontrol = bin_dir / "scontrol"
@@ -37,7 +40,8 @@ def _job(tmp_path: Path, script: str, fails: int, restart_count: int = 0) -> sub
     scontrol.chmod(0o755)
     srun = (f'srun() {{ n=$(( $(cat {tmp_path}/srun.calls 2>/dev/null || echo 0) + 1 )); '
             f'echo "$n" > {tmp_path}/srun.calls; '
-            f'if [ "$n" -le {fails} ]; then return 1; fi; echo "{{}}" > "$RUN_DIR/result.json"; }}\n')
+            + (f'if [ "$n" -eq 1 ]; then {first} fi; ' if first else "")
+            + f'if [ "$n" -le {fails} ]; then return 1; fi; echo "{{}}" > "$RUN_DIR/result.json"; }}\n')
     (tmp_path / "srun.calls").unlink(missing_ok=True)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
            "SLURM_RESTART_COUNT": str(restart_count), "SLURM_JOB_START_TIME": "1"}
@@ -96,3 +100,25 @@ def test_a_bad_in_place_budget_is_refused_in_one_line_and_nothing_is_written(tmp
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "job.restarts_in_place" in lines[0] and "Traceback" not in p.stderr, show(p)
     assert not (tmp_path / "job.sbatch").exists() and not rd.exists()
+
+
+def test_a_rank_that_died_is_a_failure_even_when_the_others_took_srun_s_sigterm_for_a_stop(tmp_path):
+    """srun --kill-on-bad-exit ends the surviving ranks with SIGTERM, which they take for a
+    preemption: rank 0 asks for a requeue. The hook sees that rank 1 of that step never said its
+    work ended (its heartbeat record), withdraws the request, and restarts the step in place.
+    The fake srun leaves the records a real step leaves: rank 0's requeue request (written by the
+    same function rank 0 calls) and both ranks' heartbeat records."""
+    script, rd = _script(tmp_path)
+    records = ("import sys; from pathlib import Path; from hpc_train import requeue, rundir; "
+               "rd = Path(sys.argv[1]); hb = rd / 'logs' / '.heartbeat'; hb.mkdir(parents=True, exist_ok=True); "
+               "rundir.write_json(hb / 'rank-0', {'host': 'n1', 'pid': 1, 'launch': 'step0', 'ended': 'stopped'}); "
+               "rundir.write_json(hb / 'rank-1', {'host': 'n2', 'pid': 2, 'launch': 'step0'}); "
+               "requeue.request(rd, 'preemption', '7', 0, {'preemption': -1}, 0)")
+    first_call = f'{shlex.quote(sys.executable)} -c "{records}" "$RUN_DIR"; return 1; '
+    job = _job(tmp_path, script, fails=0, first=first_call)
+    assert job.returncode == 0, job.stderr
+    assert _calls(tmp_path, "srun").strip() == "2" and _calls(tmp_path, "scontrol") == "", job.stderr
+    assert "not a preemption: rank 1 failed and srun ended the other ranks" in job.stderr, job.stderr
+    rec = json.loads((rd / "requeue.json").read_text())
+    assert rec["counts"]["preemption"] == 0 and rec["events"] == [] and len(rec["in_place"]) == 1, rec
+    assert not (rd / "requeue.pending").exists()

@@ -55,15 +55,8 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
     if (run_dir / rundir.RESULT).exists():
         pending.unlink(missing_ok=True)
         return "run finished; no requeue", 0
-    if pending.exists():
-        try:
-            req = json.loads(pending.read_text())
-            req["target"], req["cause"]
-        except (ValueError, TypeError, KeyError, OSError):
-            # Written atomically, so only outside hands damage it. It exists only when the run
-            # asked for a requeue within its budget: requeue this task, the only safe target.
-            req = {"target": _own_target(env), "cause": f"{PENDING} unreadable"}
-        pending.unlink(missing_ok=True)
+    req, failed_first = _pending(run_dir, env, status)
+    if req is not None:
         ok, detail = _scontrol_requeue(req["target"])
         if not ok:
             return f"NOT requeued: scontrol requeue {req['target']} failed: {detail}", UNFINISHED
@@ -79,17 +72,17 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
         step = _last_step(run_dir)
         spent = ""
         # Not for a refusal (usage errors: the same input fails the same way) or a stop.
-        if status not in (EXIT_USAGE, UNFINISHED):
+        if failed_first or status not in (EXIT_USAGE, UNFINISHED):
             if in_place is None:
                 in_place = _config(run_dir).job.restarts_in_place
             again, why = restart_in_place(run_dir, in_place, step, target)
             if again:
-                return f"task failed (exit {status}); {why}", AGAIN
+                return f"{failed_first}task failed (exit {status}); {why}", AGAIN
             spent = f"{why}; "
         restart = int(env.get("SLURM_RESTART_COUNT") or 0)
         if budgets is None:
             budgets = budgets_of(_config(run_dir).job)
-        msg = spent + request(run_dir, "failure", target, restart, budgets, step)
+        msg = failed_first + spent + request(run_dir, "failure", target, restart, budgets, step)
         status = 1 if status == AGAIN else status
         if pending.exists():
             pending.unlink()
@@ -97,6 +90,53 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
             return (f"{msg}; requeued", 0) if ok else (f"{msg}; NOT requeued: {detail}", status)
         return msg, status
     return "no requeue requested", 0
+
+
+def _pending(run_dir: Path, env: dict[str, str], status: int) -> tuple[dict | None, str]:
+    """The requeue the run asked for (taken: the file is removed), or None, and a note when the
+    request is withdrawn: a stop signal that was srun ending the ranks after one of them died
+    (``srun --kill-on-bad-exit`` sends SIGTERM, which the others take for a preemption) is that
+    rank's failure, restarted in place or counted against the failure budget instead."""
+    pending = run_dir / PENDING
+    if not pending.exists():
+        return None, ""
+    try:
+        req = json.loads(pending.read_text())
+        req["target"], req["cause"]
+    except (ValueError, TypeError, KeyError, OSError):
+        # Written atomically, so only outside hands damage it. It exists only when the run
+        # asked for a requeue within its budget: requeue this task, the only safe target.
+        req = {"target": _own_target(env), "cause": f"{PENDING} unreadable"}
+    pending.unlink(missing_ok=True)
+    culprits = _failed_ranks(run_dir) if status != 0 else []
+    if not culprits:
+        return req, ""
+    rec = _load(run_dir)       # withdrawn: the cause's count and its event, as if never asked
+    cause = req.get("cause")
+    if isinstance(rec["counts"].get(cause), int) and rec["counts"][cause] > 0:
+        rec["counts"][cause] -= 1
+    for i in range(len(rec["events"]) - 1, -1, -1):
+        if rec["events"][i].get("cause") == cause and rec["events"][i].get("requeued"):
+            del rec["events"][i]
+            break
+    _save(run_dir, rec)
+    return None, f"not a {cause}: rank {culprits[0]} failed and srun ended the other ranks (SIGTERM); "
+
+
+def _failed_ranks(run_dir: Path) -> list[int]:
+    """Ranks of the last job step that neither said their work ended nor left for a stop (see
+    ``hpc_train.node.watchdog``): killed or crashed. Their heartbeat records name the step (the
+    launch) they belong to; rank 0's is the step that asked for the requeue."""
+    records = {}
+    for path in (run_dir / rundir.LOGS / rundir.HEARTBEAT_DIR).glob("rank-*"):
+        rec, _ = rundir.read_json(path)
+        if isinstance(rec, dict) and path.name[5:].isdigit():
+            records[int(path.name[5:])] = rec
+    launch = records.get(0, {}).get("launch")
+    if not launch:
+        return []
+    return sorted(r for r, h in records.items()
+                  if h.get("launch") == launch and "ended" not in h and h.get("left") != "stop")
 
 
 def _own_target(env: dict[str, str]) -> str:
