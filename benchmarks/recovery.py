@@ -77,8 +77,9 @@ def one(env, tmp: Path, variant: str, i: int) -> list[float]:
             time.sleep(0.1)
         os.kill(_rank1_pid(run_dir), signal.SIGKILL)
         killed = time.time()
-        rec = _json(run_dir / "requeue.json", lambda r: r.get("in_place") or r.get("requeued_at"), 600)
-        decided = (rec.get("in_place") or [{}])[-1].get("time") or rec["requeued_at"][-1]
+        # The hook's decision: its in-place record, or the failure it counted before scontrol requeue.
+        rec = _json(run_dir / "requeue.json", lambda r: r.get("in_place") or r["counts"].get("failure"), 600)
+        decided = (rec.get("in_place") or [e for e in rec["events"] if e.get("cause") == "failure"])[-1]["time"]
         ledger = _json(run_dir / "goodput.json", lambda r: len(r["segments"]) >= 2
                        and r["segments"][-1].get("first_step"), 600)
     finally:
