@@ -121,7 +121,9 @@ def request(run_dir: Path, cause: str, target: str, restart: int, budgets: dict[
 
 def in_place_used(rec: dict[str, Any]) -> int:
     """The in-place budget spent so far: each restart's charge (1, or 2 without progress)."""
-    return sum(int(e.get("charge", 1)) for e in rec.get("in_place", []) if isinstance(e, dict))
+    events = rec.get("in_place")
+    return sum(e["charge"] if isinstance(e.get("charge"), int) else 1
+               for e in (events if isinstance(events, list) else []) if isinstance(e, dict))
 
 
 def restart_in_place(run_dir: Path, limit: int, step: int, job: str) -> tuple[bool, str]:

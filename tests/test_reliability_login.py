@@ -25,7 +25,8 @@ HOSTILE_NAME = "a{{config_yaml}}b{{run_dir}}c{{setup}}$(touch {m}name)"
 
 
 def _prelude(script: str) -> str:
-    """The script up to the training step: directives, config heredoc, setup, exports."""
+    """The script up to the training step's loop (see hpc_train.login.hook.LOOP_START):
+    directives, config heredoc, setup, exports."""
     head, sep, _ = script.partition("\nwhile :; do\n")
     assert sep, script
     return head + "\n"
@@ -69,8 +70,7 @@ def test_submit_dry_run_quotes_what_it_was_given(tmp_path):
             f"job.name={HOSTILE_NAME.replace('{m}', str(m))}", "--set", f"job.partition=p$(touch {m}part)",
             "--set", f"data.root=$(touch {m}root)")
     assert p.returncode == 0, show(p)
-    head = p.stdout.split("\n# command\n")[0]
-    ran = _run_bash(head, tmp_path)
+    ran = _run_bash(_prelude(p.stdout), tmp_path)
     assert ran.returncode == 0, ran.stderr
     assert not list(tmp_path.glob("pwned-*")), p.stdout
 
