@@ -161,7 +161,7 @@ def test_finished_run_is_never_trained_again(slurm, tmp_path):
 
 def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
     run_dir = tmp_path / "sweep"
-    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=2500", "--nodes", "1", "--run-dir", run_dir,
+    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=800", "--nodes", "1", "--run-dir", run_dir,
                   "--sweep", "seed=1,2")
     assert r.returncode == 0, r.stderr
     tasks = re.findall(r"submitted array task (\S+):", r.stdout)
@@ -249,7 +249,7 @@ def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_
     dist.timeout_s + 60 s, and a new step in the same allocation resumes and completes."""
     run_dir = tmp_path / "job"
     timeout_s = 15
-    job, pid = _two_node_job_at(slurm, run_dir, 1500, timeout_s, 300)
+    job, pid = _two_node_job_at(slurm, run_dir, 900, timeout_s, 300)
     os.kill(pid, signal.SIGSTOP)
     try:
         took = _restarted_in_place_after(run_dir, time.time(), timeout_s + 60)
@@ -258,7 +258,7 @@ def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_
             os.kill(pid, signal.SIGCONT)
     print(f"SIGSTOP of rank 1 on Slurm: the step ended and restarted in place {took:.1f} s later")
     assert took < timeout_s + 60, f"the step kept running {took:.0f}s after a rank froze"   # a hang bound
-    log0 = _assert_recovered_in_place(slurm, job, run_dir, 1500)
+    log0 = _assert_recovered_in_place(slurm, job, run_dir, 900)
     assert f"rank 1 (pid {pid} on " in log0 and "stopped responding" in log0, log0[-3000:]
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
     assert "most recent call first" in log1, log1[-3000:]   # faulthandler's dump, asked for through scancel
