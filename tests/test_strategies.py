@@ -178,7 +178,7 @@ def test_own_loop_stop_and_resume_is_bitwise_exact(tmp_path, strategy):
 def test_bf16_on_cpu_trains_digits(tmp_path):
     rd = tmp_path / "run"
     p = hpc("run", REPO / "jobs" / "digits.yaml", "--nproc", "2", "--run-dir", rd, "--set", "train.precision=bf16",
-            "--set", "log.tensorboard=false", "--set", "log.progress=off", timeout=300)
+            "--set", "log.tensorboard=false", "--set", "log.progress=off", "--set", "train.epochs=6", timeout=300)
     assert p.returncode == 0, show(p)
     result = json.loads((rd / "result.json").read_text())
     assert result["test_accuracy"] >= 0.95, result
