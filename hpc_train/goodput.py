@@ -199,6 +199,7 @@ class Ledger:
         self.rec, problem = read(self.run_dir)
         if problem is not None:    # kept, out of the way; accounting starts again from here
             import logging
+
             from hpc_train.rundir import set_aside
             set_aside(self.path, problem, logging.getLogger("hpc_train").warning)
         self.rec.setdefault("first_submit", _first_submit(self.run_dir, started))

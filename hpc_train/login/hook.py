@@ -15,7 +15,14 @@ from pathlib import Path
 
 from hpc_train import rundir
 from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
-from hpc_train.requeue import PENDING, _load, _save, budgets_of, request, restart_in_place
+from hpc_train.requeue import (
+    PENDING,
+    _load,
+    _save,
+    budgets_of,
+    request,
+    restart_in_place,
+)
 
 UNFINISHED = EXIT_STOPPED   # the job's exit code for "stopped before the end and not requeued"
 # The hook's exit code that tells the batch shell to run srun again in the allocation it holds
