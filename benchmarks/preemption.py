@@ -71,6 +71,16 @@ def steps_done(run_dir: Path) -> int:
     return last
 
 
+def wait_steps(run_dir: Path, target: int, timeout: float = 600, poll: float = 0.2) -> int:
+    """Wait until the run has trained ``target`` steps (its metrics say so); returns ``target``."""
+    deadline = time.monotonic() + timeout
+    while steps_done(run_dir) < target:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{run_dir}: step {target} not reached within {timeout:.0f} s")
+        time.sleep(poll)
+    return target
+
+
 def preempt(env) -> None:
     """A real preemption: a `high` job that needs every node."""
     job = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", "/dev/null",
@@ -139,12 +149,7 @@ def bench_restart(env, tmp: Path, preemptions: int, reps: Reps) -> None:
     def cycle(i: int) -> list[tuple[str, float, str]]:
         _json(run_dir / "goodput.json", lambda r: len(r["segments"]) == i + 1
               and r["segments"][-1].get("first_step"), timeout=600)
-        target = steps_done(run_dir) + 20
-        deadline = time.monotonic() + 600
-        while steps_done(run_dir) < target:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{run_dir}: step {target} not reached within 600 s")
-            time.sleep(0.2)
+        target = wait_steps(run_dir, steps_done(run_dir) + 20)
         preempt(env)
         stopped = _json(run_dir / "stopped.json", lambda r, n=target: r["steps"] >= n)
         requeued = _json(run_dir / "requeue.json", lambda r: len(r.get("requeued_at", [])) == i + 1)

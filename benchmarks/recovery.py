@@ -31,6 +31,7 @@ import argparse
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from preemption import _json, sets, steps_done, submit, wait_gone  # noqa: E402
+from preemption import _json, sets, steps_done, submit, wait_gone, wait_steps  # noqa: E402
 from reps import Reps  # noqa: E402
 from submit_latency import local_cluster  # noqa: E402
 
@@ -69,12 +70,7 @@ def one(env, tmp: Path, variant: str, i: int) -> list[float]:
                                      train__log_every=1, checkpoint__every_steps=10), *VARIANTS[variant])
     try:
         _json(run_dir / "goodput.json", lambda r: r["segments"] and r["segments"][-1].get("first_step"), 600)
-        target = steps_done(run_dir) + 20
-        deadline = time.monotonic() + 600
-        while steps_done(run_dir) < target:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{run_dir}: step {target} not reached within 600 s")
-            time.sleep(0.1)
+        wait_steps(run_dir, steps_done(run_dir) + 20, poll=0.1)
         os.kill(_rank1_pid(run_dir), signal.SIGKILL)
         killed = time.time()
         # The hook's decision: its in-place record, or the failure it counted before scontrol requeue.
@@ -107,7 +103,6 @@ def main() -> int:
     print(f"   {'phase':62s}{'in place':>10s}{'requeue':>10s}")
 
     def med(v: str, j: int) -> str:
-        import statistics
         return f"{statistics.median(r[j] for r in rows[v]):10.2f}" if rows[v] else f"{'-':>10s}"
     for j, name in enumerate(PHASES):
         print(f"   {name:62s}" + "".join(med(v, j) for v in VARIANTS))
@@ -116,12 +111,10 @@ def main() -> int:
             print(f"   {v}: every rep, kill -> first step again: {[round(r[7], 2) for r in rows[v]]}")
     for v in VARIANTS:
         if rows[v]:
-            import statistics
             lost = statistics.median(r[7] + r[8] for r in rows[v])
             print(f"   goodput with one failure every {PERIOD_S:.0f} s, {v}: {max(0.0, 1 - lost / PERIOD_S):.3f} "
                   f"(lost per failure {lost:.1f} s)")
     if rows["in place"]:
-        import statistics
         t = statistics.median(r[7] for r in rows["in place"])
         print(f"   target: kill -> first step again in place <= 10 s: {t:.2f} s, {'met' if t <= 10 else 'MISSED'}")
     return reps.finish()

@@ -178,11 +178,10 @@ def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, fl
 def _restarted_in_place(run_dir: Path, segments: list) -> bool:
     """This process starts a job step restarted in place: the batch shell's hook recorded an
     in-place restart (``requeue.json``) after the previous segment began."""
-    from hpc_train.rundir import read_json
     prev = segments[-1].get("start") if segments and isinstance(segments[-1], dict) else None
     if not _is_num(prev):
         return False
-    rec, _ = read_json(run_dir / rundir.REQUEUE)
+    rec, _ = rundir.read_json(run_dir / rundir.REQUEUE)
     events = rec.get("in_place") if isinstance(rec, dict) else None
     return isinstance(events, list) and any(isinstance(e, dict) and _is_num(e.get("time"))
                                             and e["time"] > prev for e in events)

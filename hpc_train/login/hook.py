@@ -77,18 +77,17 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
     if status != 0:
         target = _own_target(env)
         step = _last_step(run_dir)
+        job = _config(run_dir).job if in_place is None or budgets is None else None   # read once
+        in_place = job.restarts_in_place if in_place is None else in_place
+        budgets = budgets_of(job) if budgets is None else budgets
         spent = ""
         # Not for a refusal (usage errors: the same input fails the same way) or a stop.
         if failed_first or status not in (EXIT_USAGE, UNFINISHED):
-            if in_place is None:
-                in_place = _config(run_dir).job.restarts_in_place
             again, why = restart_in_place(run_dir, in_place, step, target)
             if again:
                 return f"{failed_first}task failed (exit {status}); {why}", AGAIN
             spent = f"{why}; "
         restart = int(env.get("SLURM_RESTART_COUNT") or 0)
-        if budgets is None:
-            budgets = budgets_of(_config(run_dir).job)
         msg = failed_first + spent + request(run_dir, "failure", target, restart, budgets, step)
         status = 1 if status == AGAIN else status
         if pending.exists():
