@@ -77,6 +77,11 @@ class JobSection:
     # the allocation, resuming from the newest complete checkpoint: at most this many times over
     # the run (a restart without a newer checkpoint counts twice), then the failure budget.
     restarts_in_place: int = _f(3, min=0)
+    # A lost node (the batch script is submitted with --no-kill when either is set): spare_nodes
+    # more are allocated and idle until one replaces a lost node; min_nodes (0: job.nodes) lets
+    # the run go on with fewer nodes, resharded, when no spare is left.
+    spare_nodes: int = _f(0, min=0)
+    min_nodes: int = _f(0, min=0)
 
 
 @dataclass
@@ -353,6 +358,9 @@ def validate(cfg: Config) -> Config:
         raise UsageError("config: train.epochs and train.max_steps are both 0, so there is nothing to train; "
                          "set train.epochs >= 1 or train.max_steps >= 1")
     time_minutes(cfg.job.time)   # a malformed job.time fails here, not at submission
+    if cfg.job.min_nodes > cfg.job.nodes:
+        raise UsageError(f"config: job.min_nodes={cfg.job.min_nodes} is above job.nodes={cfg.job.nodes}; valid: "
+                         f"1..{cfg.job.nodes} (0 keeps job.nodes: the run never goes on with fewer nodes)")
     cfg.train.precision = resolve_precision(cfg.train.precision, cfg.train.opt_level)
     # Slurm's processes per node (job.tasks_per_node 0: one per GPU); `run` checks its --nproc.
     check_launch(cfg.dist.strategy, cfg.job.tasks_per_node or max(1, cfg.job.gpus_per_node))

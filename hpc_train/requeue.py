@@ -126,10 +126,12 @@ def in_place_used(rec: dict[str, Any]) -> int:
                for e in (events if isinstance(events, list) else []) if isinstance(e, dict))
 
 
-def restart_in_place(run_dir: Path, limit: int, step: int, job: str) -> tuple[bool, str]:
+def restart_in_place(run_dir: Path, limit: int, step: int, job: str,
+                     extra: dict[str, Any] | None = None) -> tuple[bool, str]:
     """After a failed step: whether the batch shell starts ``srun`` again in this allocation
     (counted in ``requeue.json``'s ``in_place`` list), and the message saying so or why not.
-    ``step``: the newest complete checkpoint's step (0: none)."""
+    ``step``: the newest complete checkpoint's step (0: none); ``extra``: kept in the record
+    (the next step's nodes and world size, after a lost node)."""
     rec = _load(Path(run_dir))
     events = rec.setdefault("in_place", [])
     if not isinstance(events, list):
@@ -140,7 +142,7 @@ def restart_in_place(run_dir: Path, limit: int, step: int, job: str) -> tuple[bo
     if used + charge > limit:
         return False, (f"in-place restarts spent ({used} of {limit} used; a restart without a newer "
                        f"checkpoint counts twice)")
-    events.append({"job": job, "step": step, "time": time.time(), "charge": charge})
+    events.append({"job": job, "step": step, "time": time.time(), "charge": charge, **(extra or {})})
     _save(Path(run_dir), rec)
     return True, (f"restarting in place from step {step} (in-place budget: {used + charge} of {limit} used"
                   f"{'; no progress since the last restart, counted twice' if charge == 2 else ''})")

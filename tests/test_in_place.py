@@ -122,3 +122,84 @@ def test_a_rank_that_died_is_a_failure_even_when_the_others_took_srun_s_sigterm_
     rec = json.loads((rd / "requeue.json").read_text())
     assert rec["counts"]["preemption"] == 0 and rec["events"] == [] and len(rec["in_place"]) == 1, rec
     assert not (rd / "requeue.pending").exists()
+
+
+# -- a lost node (job.spare_nodes, job.min_nodes): the nodes of the next step ----------------
+def _nodes_job(tmp_path: Path, script: str, now: str, states: str) -> subprocess.CompletedProcess:
+    """The batch script with a 3-node allocation whose first step fails; ``squeue`` answers
+    the job's nodes ``now`` and ``sinfo`` the node ``states`` ("node1|allocated ..."). Every
+    srun's node arguments (before ``--kill-on-bad-exit``) go to ``srun.calls``, a line per step."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("squeue", now), ("sinfo", states.replace(" ", "\\n"))):
+        (bin_dir / name).write_text(f"#!/bin/sh\nprintf '{text}\\n'\n")
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.calls\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    srun = (f'srun() {{ a="$*"; echo "${{a%%--kill-on-bad-exit*}}" >> {tmp_path}/srun.calls; n=$(wc -l < {tmp_path}/srun.calls); '
+            f'if [ "$n" -le 1 ]; then return 1; fi; echo "{{}}" > "$RUN_DIR/result.json"; }}\n')
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
+           "SLURM_RESTART_COUNT": "0"}
+    return subprocess.run(["bash", "-c", srun + script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_a_spare_node_takes_the_place_of_a_lost_one(tmp_path):
+    script, rd = _script(tmp_path, "job.nodes=2", "job.spare_nodes=1")
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --no-kill" in script
+    job = _nodes_job(tmp_path, script, "node[1,3]", "node1|mixed node2|down* node3|idle")
+    assert job.returncode == 0, job.stderr
+    steps = _calls(tmp_path, "srun").splitlines()
+    assert len(steps) == 2, steps
+    assert steps == ["--nodes=2 --ntasks=2 ", "--nodes=2 --ntasks=2 --nodelist=node1,node3 "]  # 2 of 3
+    assert "node2 lost at step 0; next step on node1,node3" in job.stderr, job.stderr
+    event = json.loads((rd / "requeue.json").read_text())["in_place"][0]
+    assert (event["nodes"], event["lost"], event["world_size"]) == (["node1", "node3"], ["node2"], 2), event
+
+
+def test_without_a_spare_the_run_goes_on_with_fewer_nodes_down_to_min_nodes(tmp_path):
+    script, rd = _script(tmp_path, "job.nodes=3", "job.min_nodes=2", launcher="torchrun")
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --no-kill" in script
+    job = _nodes_job(tmp_path, script, "node[1,3]", "node1|mixed node2|drained node3|mixed")
+    assert job.returncode == 0, job.stderr
+    steps = _calls(tmp_path, "srun").splitlines()
+    assert steps == ["--nodes=3 --ntasks=3 ", "--nodes=2 --ntasks=2 --nodelist=node1,node3 "]  # a torchrun a node
+    assert "world size 3 -> 2: node2 lost at step 0" in job.stderr, job.stderr
+    assert "node2 lost at step 0 (world size 3 -> 2, on node1,node3)" in hpc("status", rd).stdout
+
+
+def test_below_min_nodes_the_failure_goes_to_the_requeue(tmp_path):
+    script, _ = _script(tmp_path, "job.nodes=3", "job.min_nodes=2")
+    job = _nodes_job(tmp_path, script, "node1", "node1|mixed node2|down node3|down*")
+    assert len(_calls(tmp_path, "srun").splitlines()) == 1, job.stderr      # no second step
+    assert _calls(tmp_path, "scontrol").split() == ["requeue", "7"]
+    assert "1 of the allocation's 3 nodes are up" in job.stderr and "job.min_nodes=2" in job.stderr, job.stderr
+
+
+def test_a_crashed_rank_moves_to_the_spare_but_keeps_its_node_without_one(tmp_path):
+    """No node lost: the node where the failed rank ran comes last, so a spare replaces it; with
+    no spare it is used again (it is up)."""
+    from hpc_train.config import JobSection
+    from hpc_train.login.nodes import next_step
+    env = {"SLURM_JOB_NODELIST": "node[1-3]"}
+    up = {f"node{i}": "allocated" for i in (1, 2, 3)}
+    spare, _ = next_step(JobSection(nodes=2, spare_nodes=1), env, {"node2"}, 2, ["node1", "node2", "node3"], up)
+    assert spare.nodes == ["node1", "node3"] and spare.lost == []
+    kept, _ = next_step(JobSection(nodes=3, min_nodes=2), env, {"node2"}, 3, ["node1", "node2", "node3"], up)
+    assert kept.nodes == ["node1", "node3", "node2"]
+    none, why = next_step(JobSection(nodes=3, spare_nodes=0, min_nodes=3), {}, set(), 3, [], {})
+    assert none is None and "SLURM_JOB_NODELIST" in why
+
+
+@pytest.mark.parametrize("sets,field", [
+    (["job.spare_nodes=-1"], "job.spare_nodes"), (["job.min_nodes=1.5"], "job.min_nodes"),
+    (["job.nodes=2", "job.min_nodes=3"], "job.min_nodes"),
+])
+def test_bad_lost_node_settings_are_refused_in_one_line(tmp_path, sets, field):
+    rd = tmp_path / "run"
+    p = hpc("sbatch", "jobs/digits.yaml", "--run-dir", rd, "-o", tmp_path / "job.sbatch",
+            *(x for s in sets for x in ("--set", s)))
+    assert p.returncode == 2, show(p)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in p.stderr, show(p)
+    assert not (tmp_path / "job.sbatch").exists() and not rd.exists()

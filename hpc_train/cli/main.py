@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("requeue-hook", help="(internal) run by batch scripts after srun: issue the requeue")
     p.add_argument("run_dir")
     p.add_argument("status", type=int)
+    p.add_argument("--tasks-per-node", type=int, default=1, help="srun tasks per node of a step")
 
     p = sub.add_parser("worker", help="(internal) one task's entry point, started by run/srun")
     p.add_argument("--config", required=True)

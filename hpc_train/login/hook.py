@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import time
 from pathlib import Path
 
 from hpc_train import rundir
+from hpc_train.config import JobSection
 from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
+from hpc_train.login import nodes
 from hpc_train.requeue import (
     PENDING,
     _load,
@@ -44,13 +47,16 @@ def _scontrol_requeue(target: str) -> tuple[bool, str]:
 
 
 def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
-         budgets: dict[str, int] | None = None, in_place: int | None = None) -> tuple[str, int]:
+         budgets: dict[str, int] | None = None, in_place: int | None = None,
+         job: JobSection | None = None, tasks_per_node: int = 1) -> tuple[str, int]:
     """The batch shell's step after srun: issue the one requeue, or say why there is none.
 
     Returns the message and the exit code the batch script should end with: 0 for a finished
     or requeued run, :data:`UNFINISHED` for a stop without requeue, :data:`AGAIN` for a failure
     restarted in place (``in_place``: ``job.restarts_in_place``, read from the config when None),
-    srun's status for a failure that is not requeued. A finished run counts as finished even if
+    srun's status for a failure that is not requeued. After a lost node (``job.spare_nodes`` or
+    ``job.min_nodes``, see :mod:`hpc_train.login.nodes`) a restart in place prints the next
+    step's srun arguments on stdout. A finished run counts as finished even if
     a late signal hit a task during its exit (srun then reports the signal, but every result is
     on disk).
     """
@@ -77,16 +83,25 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
     if status != 0:
         target = _own_target(env)
         step = _last_step(run_dir)
-        job = _config(run_dir).job if in_place is None or budgets is None else None   # read once
+        if job is None and (in_place is None or budgets is None):
+            job = _config(run_dir).job      # read once
         in_place = job.restarts_in_place if in_place is None else in_place
         budgets = budgets_of(job) if budgets is None else budgets
         spent = ""
         # Not for a refusal (usage errors: the same input fails the same way) or a stop.
         if failed_first or status not in (EXIT_USAGE, UNFINISHED):
-            again, why = restart_in_place(run_dir, in_place, step, target)
-            if again:
-                return f"{failed_first}task failed (exit {status}); {why}", AGAIN
-            spent = f"{why}; "
+            where, note = _next_nodes(run_dir, job, env, tasks_per_node, step)
+            if where is None and note:
+                spent = f"{note}; "
+            else:
+                extra = {"nodes": where.nodes, "lost": where.lost, "world_size": len(where.nodes) * tasks_per_node,
+                         "world_before": where.previous * tasks_per_node} if where else {}
+                again, why = restart_in_place(run_dir, in_place, step, target, extra)
+                if again:
+                    if where is not None:
+                        print(where.args(tasks_per_node))     # the batch shell's next srun arguments
+                    return f"{failed_first}task failed (exit {status}); {note}{why}", AGAIN
+                spent = f"{why}; "
         restart = int(env.get("SLURM_RESTART_COUNT") or 0)
         msg = failed_first + spent + request(run_dir, "failure", target, restart, budgets, step)
         status = 1 if status == AGAIN else status
@@ -145,6 +160,27 @@ def _failed_ranks(run_dir: Path) -> list[int]:
                   if h.get("launch") == launch and "ended" not in h and h.get("left") != "stop")
 
 
+def _next_nodes(run_dir: Path, job: JobSection | None, env: dict[str, str], tasks_per_node: int,
+                step: int) -> tuple[nodes.Step | None, str]:
+    """Where the next step runs when the job survives a lost node (None and "" when it does
+    not: srun's defaults), or None and why there are too few nodes to go on in place."""
+    if job is None or not nodes.guards_nodes(job):
+        return None, ""
+    rec = _load(run_dir)
+    placed = [e for e in rec.get("in_place", []) if isinstance(e, dict) and isinstance(e.get("nodes"), list)]
+    previous = len(placed[-1]["nodes"]) if placed else job.nodes
+    implicated = nodes.failed_hosts(run_dir, _failed_ranks(run_dir))
+    where, why = nodes.next_step(job, env, implicated, previous)
+    if where is None:
+        return None, f"not restarted in place: {why}"
+    note = ""
+    if where.lost:
+        note = f"{', '.join(where.lost)} lost at step {step}; "
+    if len(where.nodes) != previous:
+        note = (f"world size {previous * tasks_per_node} -> {len(where.nodes) * tasks_per_node}: {note}")
+    return where, note + f"next step on {','.join(where.nodes)}; "
+
+
 def _own_target(env: dict[str, str]) -> str:
     """This job, as scontrol requeue must name it: an array task by ARRAYJOB_TASK, never the
     whole array."""
@@ -165,7 +201,7 @@ def _last_step(run_dir: Path) -> int:
 
 def cmd_requeue_hook(args: argparse.Namespace) -> int:
     """``python -m hpc_train requeue-hook RUN_DIR STATUS`` (run by the batch script)."""
-    msg, code = hook(Path(args.run_dir), args.status)
+    msg, code = hook(Path(args.run_dir), args.status, tasks_per_node=args.tasks_per_node)
     print(f"hpc_train requeue-hook: {msg}", file=sys.stderr)
     return code
 
@@ -175,10 +211,18 @@ def cmd_requeue_hook(args: argparse.Namespace) -> int:
 LOOP_START = "while :; do"
 
 
-def after_srun_lines(python: str, run_dir_expr: str = '"$RUN_DIR"') -> list[str]:
+def before_loop_lines(job: JobSection, tasks_per_node: int) -> list[str]:
+    """Shell lines before :data:`LOOP_START`: ``step_nodes``, the first srun's node and task
+    counts (empty unless the job survives a lost node, see :mod:`hpc_train.login.nodes`)."""
+    return [f"step_nodes={shlex.quote(nodes.first_step_args(job, tasks_per_node))}"]
+
+
+def after_srun_lines(python: str, tasks_per_node: int, run_dir_expr: str = '"$RUN_DIR"') -> list[str]:
     """Shell lines for a batch script, right after srun (inside the loop that
     :data:`LOOP_START` opens); ``status`` must hold srun's exit code. They end the loop unless
-    the hook says to run srun again; the hook's exit code becomes the job's (see :func:`hook`)."""
+    the hook says to run srun again; the hook's exit code becomes the job's (see :func:`hook`),
+    and what it prints, the next srun's nodes (``$step_nodes``, unquoted on the srun line:
+    hostnames and counts only)."""
     # "|| hooked=$?": the sbatch script runs under set -e, which would end it at a non-zero hook.
-    return ["hooked=0", f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status" || hooked=$?',
-            'status="$hooked"', f'if [ "$status" -ne {AGAIN} ]; then break; fi', "done"]
+    call = f'{python} -m hpc_train requeue-hook {run_dir_expr} "$status" --tasks-per-node {tasks_per_node}'
+    return ["hooked=0", f"step_nodes=$({call}) || hooked=$?", 'status="$hooked"', f'if [ "$status" -ne {AGAIN} ]; then break; fi', "done"]

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from hpc_train import rundir
-from hpc_train.login import scheduler
 from hpc_train.errors import UsageError
+from hpc_train.login import scheduler
 from hpc_train.logs import metrics_problem, read_metrics
 
 
@@ -51,6 +51,11 @@ def _budget_line(run_dir: Path, unread: list[str]) -> str:
     events = rec.get("in_place") if rec is not None else None
     if isinstance(events, list) and events:   # restarts in the allocation (a failure each): see login.hook
         text += f"; restarts in place: failure {len(events)} (budget used {requeue.in_place_used(rec)})"
+        for e in events:    # a lost node (see login.nodes): which, and the world size it left
+            if isinstance(e, dict) and "world_before" in e and (e.get("lost") or e["world_size"] != e["world_before"]):
+                lost = ", ".join(map(str, e.get("lost") or [])) or "no node"
+                text += f"; {lost} lost at step {e.get('step')} (world size {e.get('world_before')} -> " \
+                        f"{e.get('world_size')}, on {','.join(map(str, e.get('nodes') or []))})"
     return f"requeues: {text}" if text else ""
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_train.login import hook as requeue
-from hpc_train.login import scheduler
+from hpc_train.login import nodes, scheduler
 from hpc_train.config import Config
 
 def _version() -> str:
@@ -62,6 +62,9 @@ class SbatchScript:
                 directives.append(_directive(flag, value))
         if job.exclusive:
             directives.append("#SBATCH --exclusive")
+        if nodes.guards_nodes(job):     # the allocation outlives a lost node (login.nodes)
+            directives.append("#SBATCH --no-kill")
+        per_srun_node = 1 if self.launcher == "torchrun" else tasks
         config_yaml = self.cfg.to_yaml().rstrip("\n")
         eof = "END_OF_CONFIG_" + secrets.token_hex(4).upper()
         while eof in config_yaml:   # the heredoc must not end early
@@ -70,14 +73,16 @@ class SbatchScript:
         signal = "TERM" if self.launcher == "torchrun" else job.signal
         values = {
             "version": _version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": (self.command or "(Python API)").replace("\n", "\\n").replace("\r", "\\r"), "job_name": q(job.name), "nodes": str(job.nodes),
+            "command": (self.command or "(Python API)").replace("\n", "\\n").replace("\r", "\\r"), "job_name": q(job.name),
+            "nodes": str(nodes.allocated_nodes(job)),
             "tasks_per_node": str(tasks), "cpus_per_task": str(job.cpus_per_task),
             "cpus_per_node": str(job.cpus_per_task * tasks), "nproc_per_node": str(tasks),
             "time": str(minutes), "signal": signal, "signal_lead": str(job.signal_lead),
             "output": q(f"{self.run_dir}/slurm-%j.out"), "directives": "\n".join(directives),
             "run_dir": q(self.run_dir), "config_yaml": config_yaml, "eof": eof,
             "setup": "\n".join(job.setup), "python": q(sys.executable), "resume": q(self.resume),
-            "after": "\n".join(requeue.after_srun_lines(q(sys.executable))),
+            "before_loop": "\n".join(requeue.before_loop_lines(job, per_srun_node)),
+            "after": "\n".join(requeue.after_srun_lines(q(sys.executable), per_srun_node)),
         }
         return render((TEMPLATES / f"{self.launcher}.sbatch").read_text(), values)
 

@@ -72,6 +72,10 @@ def check_resources(job: JobSection) -> None:
     p = parts[partition]
     if job.nodes > p["nodes"]:
         raise UsageError(f"job.nodes: {job.nodes} nodes requested but partition '{partition}' has {p['nodes']}")
+    if job.nodes + job.spare_nodes > p["nodes"]:
+        raise UsageError(f"job.spare_nodes: job.nodes + job.spare_nodes = {job.nodes} + {job.spare_nodes} nodes "
+                         f"requested but partition '{partition}' has {p['nodes']}; valid: job.spare_nodes "
+                         f"0..{p['nodes'] - job.nodes}")
     tasks = tasks_per_node(job)
     if job.gpus_per_node > p["gpus"]:
         raise UsageError(f"job.gpus_per_node: {job.gpus_per_node} requested but nodes in '{partition}' have "
@@ -163,6 +167,8 @@ def _add_sacct(out: dict[str, JobState], job_list: str) -> None:
         if len(f) >= 5:
             runs.setdefault(f[0], []).append(f)
     for jid, rows in runs.items():
+        # A job that lost a node under --no-kill keeps a RESIZING row: the same run, shrunk.
+        rows = [r for r in rows if r[1] != "RESIZING"] or rows
         if jid in out:
             out[jid].restarts = len(rows) - 1
         else:

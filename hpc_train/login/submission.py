@@ -27,7 +27,7 @@ import shlex
 from hpc_train import rundir
 from hpc_train.login import hook as requeue
 from hpc_train.requeue import requested
-from hpc_train.login import scheduler
+from hpc_train.login import nodes, scheduler
 from hpc_train.config import Config, load
 from hpc_train.errors import UsageError
 
@@ -86,11 +86,16 @@ def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str
     ex = (executor.DryRunExecutor if dry_run else executor.Executor)(folder=str(run_dir / rundir.SUBMITIT),
                                                                       max_num_timeout=10**6)
     ex.header = header
+    tasks = scheduler.tasks_per_node(job)
+    # submitit quotes its srun line; a step's nodes after a lost node reach it through a shell
+    # function named srun, which the batch shell calls instead of the program (login.nodes).
+    step = ['srun() { command srun $step_nodes "$@"; }'] if nodes.guards_nodes(job) else []
     params: dict[str, Any] = dict(
-        job_name=job.name, nodes=job.nodes, ntasks_per_node=scheduler.tasks_per_node(job),
+        job_name=job.name, nodes=nodes.allocated_nodes(job), ntasks_per_node=tasks,
         cpus_per_task=job.cpus_per_task, time=scheduler.time_minutes(job.time), signal_delay_s=job.signal_lead,
         # The srun line runs in a loop (a failed step is restarted in place: see login.hook).
-        setup=list(job.setup) + [f"export SRUN_CPUS_PER_TASK={job.cpus_per_task}", requeue.LOOP_START],
+        setup=list(job.setup) + [f"export SRUN_CPUS_PER_TASK={job.cpus_per_task}",
+                                 *requeue.before_loop_lines(job, tasks), *step, requeue.LOOP_START],
         # submitit writes --signal=$SUBMITIT_PREEMPT_SIGNAL@lead, reading that variable when it is
         # imported (so setting it here would be too late, and would leak into the caller's
         # environment). The job's own signal goes in as an sbatch parameter, which wins.
@@ -99,8 +104,10 @@ def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str
         srun_args=["--kill-on-bad-exit=1"],
         # After srun: the one requeue, from the batch shell (see hpc_train.login.requeue).
         teardown=["status=$?", f"RUN_DIR={shlex.quote(str(run_dir))}",
-                  *requeue.after_srun_lines(shlex.quote(sys.executable)), 'exit "$status"'],
+                  *requeue.after_srun_lines(shlex.quote(sys.executable), tasks), 'exit "$status"'],
     )
+    if nodes.guards_nodes(job):
+        params["additional_parameters"]["no-kill"] = True
     for key in ("partition", "account", "qos", "constraint", "mem"):
         if getattr(job, key):
             params[key] = getattr(job, key)

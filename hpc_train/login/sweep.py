@@ -177,7 +177,7 @@ def _executor(cfg: Config, sweep_dir: Path, map_file: Path, parallelism: int, dr
     ex.update_parameters(array_parallelism=parallelism, teardown=[
         "status=$?",
         f'RUN_DIR=$(sed -n "$((${{SLURM_ARRAY_TASK_ID:-0}} + 1))p" {shlex.quote(str(map_file))})',
-        *requeue.after_srun_lines(shlex.quote(sys.executable)), 'exit "$status"'])
+        *requeue.after_srun_lines(shlex.quote(sys.executable), scheduler.tasks_per_node(cfg.job)), 'exit "$status"'])
     return ex
 
 

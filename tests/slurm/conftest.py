@@ -1,7 +1,8 @@
 """The real local Slurm cluster for the tests under tests/slurm/.
 
 The session fixture starts ``slurm/devcluster.sh up`` (munge, slurmctld, slurmdbd with MariaDB,
-two slurmd nodes in their own network namespaces) and stops it at the end. Without root the
+three slurmd nodes in their own network namespaces: jobs use two, and
+the third is a spare for the lost-node tests) and stops it at the end. Without root the
 tests skip and say why; with ``CI=true`` they must run, so a missing root or a failed start fails.
 """
 
@@ -19,7 +20,7 @@ def cluster() -> Cluster:
     if os.geteuid() != 0:
         _unavailable("the local Slurm cluster needs root (network namespaces, daemons): "
                      "run `sudo make test` or `sudo slurm/devcluster.sh up`")
-    up = subprocess.run([str(DEVCLUSTER), "up", "--nodes", "2"], capture_output=True, text=True, timeout=600)
+    up = subprocess.run([str(DEVCLUSTER), "up", "--nodes", "3"], capture_output=True, text=True, timeout=600)
     if up.returncode != 0:
         _unavailable(f"slurm/devcluster.sh up failed ({up.returncode}): {up.stderr[-2000:]}")
     env = dict(os.environ)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -166,7 +167,7 @@ def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
     assert r.returncode == 0, r.stderr
     tasks = re.findall(r"submitted array task (\S+):", r.stdout)
     assert len(tasks) == 2 and all("_" in t for t in tasks), r.stdout
-    task_dirs = [Path(d) for d in re.findall(r" -> (.+)$", r.stdout, re.M)]
+    task_dirs = [Path(d) for d in re.findall(r" -> (.+)$", r.stdout, re.MULTILINE)]
     for t in tasks:
         slurm.wait_state(t, {"RUNNING"}, 120)
     _wait_steps(task_dirs[0], 100, 120)
@@ -180,11 +181,11 @@ def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
     assert not (task_dirs[1] / "requeue.json").exists()
 
 
-def _two_node_job_at(slurm, run_dir: Path, max_steps: int, timeout_s: int, step: int) -> tuple[str, int]:
+def _two_node_job_at(slurm, run_dir: Path, max_steps: int, timeout_s: int, step: int, *flags: str) -> tuple[str, int]:
     """Submit a 2-node job and wait until it has trained ``step`` steps: (its job id, rank 1's
     pid, from its log's on-node line)."""
     r = slurm.cli("submit", *BASE, "--set", f"train.max_steps={max_steps}", "--set", "checkpoint.every_steps=200",
-                  "--set", f"dist.timeout_s={timeout_s}", "--nodes", "2", "--run-dir", run_dir)
+                  "--set", f"dist.timeout_s={timeout_s}", "--nodes", "2", "--run-dir", run_dir, *flags)
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     slurm.wait_state(job, {"RUNNING"}, 120)
@@ -213,7 +214,8 @@ def _assert_recovered_in_place(slurm, job: str, run_dir: Path, steps: int) -> st
     step, the failure budget untouched, one in-place restart, resumed from a checkpoint. Returns
     rank 0's log."""
     assert slurm.wait_done(job, 300) == "COMPLETED"
-    assert slurm.restarts(job) == 0 and len(slurm.sacct(job)) == 1, slurm.sacct(job)
+    runs = [r for r in slurm.sacct(job) if r["State"] != "RESIZING"]   # a lost node's shrink is no run
+    assert slurm.restarts(job) == 0 and len(runs) == 1, slurm.sacct(job)
     assert len(slurm.job_steps(job)) >= 2, slurm.job_steps(job)
     rec = json.loads((run_dir / "requeue.json").read_text())
     assert rec["counts"]["failure"] == 0 and len(rec["in_place"]) == 1, rec
@@ -262,3 +264,65 @@ def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_
     assert f"rank 1 (pid {pid} on " in log0 and "stopped responding" in log0, log0[-3000:]
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
     assert "most recent call first" in log1, log1[-3000:]   # faulthandler's dump, asked for through scancel
+
+
+def _host_of(run_dir: Path, rank: int) -> str:
+    return json.loads((run_dir / "logs" / ".heartbeat" / f"rank-{rank}").read_text())["host"]
+
+
+@contextlib.contextmanager
+def _node_down(slurm, node: str):
+    """Slurm takes ``node`` out of service (``scontrol update state=down``), as it does a node
+    that stops answering: its tasks are ended and a --no-kill job loses it. Put back after."""
+    slurm.run("scontrol", "update", f"nodename={node}", "state=down", "reason=hpc_train-test", check=True)
+    try:
+        yield
+    finally:
+        slurm.run("scontrol", "update", f"nodename={node}", "state=resume")
+        slurm.idle()
+
+
+def test_a_lost_node_is_replaced_by_a_spare_and_the_run_ends_bitwise(slurm, reference, tmp_path):
+    """job.spare_nodes=1: 3 nodes allocated, 2 used. Rank 1's node set DOWN mid-run: the job
+    keeps its allocation (--no-kill), the next step runs on the spare at the same world size,
+    and the final weights are bitwise those of the uninterrupted run."""
+    run_dir = tmp_path / "job"
+    job, _ = _two_node_job_at(slurm, run_dir, STEPS, 30, 500, "--set", "job.spare_nodes=1")
+    lost = _host_of(run_dir, 1)
+    with _node_down(slurm, lost):
+        _assert_recovered_in_place(slurm, job, run_dir, STEPS)
+    event = json.loads((run_dir / "requeue.json").read_text())["in_place"][0]
+    assert event["lost"] == [lost] and lost not in event["nodes"] and len(event["nodes"]) == 2, event
+    assert event["world_size"] == event["world_before"] == 2, event
+    assert json.loads((run_dir / "result.json").read_text())["world_size"] == 2
+    ref, ref_losses = reference
+    assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
+    assert losses(run_dir) == ref_losses
+    assert f"{lost} lost at step {event['step']}" in slurm.cli("status", run_dir).stdout
+
+
+def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
+    """job.min_nodes=1 through the rendered sbatch script: rank 1's node set DOWN mid-run, the
+    next step runs on the node left at world size 1, resharded from the checkpoint, and the
+    steps continue after it."""
+    run_dir, script, steps = tmp_path / "job", tmp_path / "job.sbatch", 900
+    r = slurm.cli("sbatch", *BASE, "--set", f"train.max_steps={steps}", "--set", "checkpoint.every_steps=200",
+                  "--set", "dist.timeout_s=30", "--set", "job.min_nodes=1", "--nodes", "2", "--run-dir", run_dir,
+                  "-o", script)
+    assert r.returncode == 0, r.stderr
+    assert "#SBATCH --no-kill" in script.read_text()
+    job = slurm.run("sbatch", "--parsable", str(script), check=True, cwd=tmp_path).stdout.strip()
+    slurm.wait_state(job, {"RUNNING"}, 120)
+    _wait_steps(run_dir, 300, 180)
+    lost = _host_of(run_dir, 1)
+    with _node_down(slurm, lost):
+        log0 = _assert_recovered_in_place(slurm, job, run_dir, steps)
+    assert json.loads((run_dir / "result.json").read_text())["world_size"] == 1
+    resumed = int(re.search(r"resumed from \S+: step (\d+), saved at world size 2 .*now 1: resharded", log0).group(1))
+    assert resumed >= 200 and resumed % 200 == 0, resumed
+    # The metrics: every step once up to the checkpoint, then from there again to the end.
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    after = [x["step"] for x in rows if x["time"] > json.loads((run_dir / "requeue.json").read_text())["in_place"][0]["time"]]
+    assert after == list(range(resumed + 1, steps + 1)), after[:5]
+    status = slurm.cli("status", run_dir).stdout
+    assert f"{lost} lost at step {resumed} (world size 2 -> 1" in status, status

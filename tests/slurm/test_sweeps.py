@@ -259,7 +259,7 @@ def test_script_sweep_of_two_node_tasks(slurm, tmp_path):
     seen = [[json.loads((Path(t["run_dir"]) / f"seen-{rank}.json").read_text()) for rank in (0, 1)] for t in tasks]
     assert [[s["lr"] for s in ranks] for ranks in seen] == [[0.2, 0.2], [0.1, 0.1]]
     assert all(s["world"] == 2 for ranks in seen for s in ranks)
-    assert all({s["host"] for s in ranks} == {"node1", "node2"} for ranks in seen)
+    assert all(len({s["host"] for s in ranks}) == 2 for ranks in seen)   # two of the cluster's nodes
     assert seen[0][0]["port"] != seen[1][0]["port"]        # each task its own rendezvous port
     st = slurm.cli("status", sweep_dir)
     assert [row[1] for row in _rows(st.stdout).values()] == ["COMPLETED", "COMPLETED"], st.stdout
