@@ -187,6 +187,11 @@ def test_a_crashed_rank_moves_to_the_spare_but_keeps_its_node_without_one(tmp_pa
     assert spare.nodes == ["node1", "node3"] and spare.lost == []
     kept, _ = next_step(JobSection(nodes=3, min_nodes=2), env, {"node2"}, 3, ["node1", "node2", "node3"], up)
     assert kept.nodes == ["node1", "node3", "node2"]
+    # Every rank failed (rank 0 lost its peer): the batch shell's node keeps rank 0.
+    batch = {**env, "SLURMD_NODENAME": "node1"}
+    moved, _ = next_step(JobSection(nodes=2, spare_nodes=1), batch, {"node1", "node2"}, 2,
+                         ["node1", "node2", "node3"], up)
+    assert moved.nodes == ["node1", "node3"]
     none, why = next_step(JobSection(nodes=3, spare_nodes=0, min_nodes=3), {}, set(), 3, [], {})
     assert none is None and "SLURM_JOB_NODELIST" in why
 

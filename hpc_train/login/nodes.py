@@ -8,7 +8,8 @@ With ``job.spare_nodes`` or ``job.min_nodes`` set, the batch script is submitted
 The next step's nodes: the allocation's nodes that are still the job's (``squeue``) and that
 Slurm says are up (``sinfo``), in the allocation's order. When no node was lost, those where a
 failed rank ran come last (a crashed process moves to a spare if there is one; without one, its
-healthy node is used again). ``job.nodes`` of them
+healthy node is used again; the batch shell's node is never singled out: the hook runs there, and
+its rank may have failed only for losing a peer). ``job.nodes`` of them
 when there are enough (a spare replaces a lost node: same world size, same ranks), else all of
 them down to ``job.min_nodes`` (the run goes on resharded), else none: the failure goes to the
 requeue and its budget, as without either setting.
@@ -113,8 +114,9 @@ def next_step(job: JobSection, env: Mapping[str, str], implicated: set[str], pre
     states = node_states(hosts) if states is None else states
     up = [h for h in hosts if h in now and states.get(h, "") in _USABLE]
     lost = [h for h in hosts if h not in up]
-    if lost:     # the lost node is the culprit: its peers failed too, having lost it
-        implicated = set()
+    # A lost node is the culprit (its peers failed too, having lost it). The batch shell's own
+    # node is up (this runs there), and its rank 0 may have failed only for losing a peer.
+    implicated = set() if lost else implicated - {env.get("SLURMD_NODENAME", "")}
     order = [h for h in up if h not in implicated] + [h for h in up if h in implicated]
     floor = job.min_nodes or job.nodes
     if len(order) < floor:

@@ -161,9 +161,11 @@ def test_finished_run_is_never_trained_again(slurm, tmp_path):
 
 
 def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
+    """Task 0 preempted: only it is requeued. Task 1's rank killed: it recovers on its own, in
+    its allocation, while task 0 is back in the queue."""
     run_dir = tmp_path / "sweep"
-    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=800", "--nodes", "1", "--run-dir", run_dir,
-                  "--sweep", "seed=1,2")
+    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=800", "--set", "checkpoint.every_steps=200",
+                  "--nodes", "1", "--run-dir", run_dir, "--sweep", "seed=1,2")
     assert r.returncode == 0, r.stderr
     tasks = re.findall(r"submitted array task (\S+):", r.stdout)
     assert len(tasks) == 2 and all("_" in t for t in tasks), r.stdout
@@ -171,14 +173,31 @@ def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
     for t in tasks:
         slurm.wait_state(t, {"RUNNING"}, 120)
     _wait_steps(task_dirs[0], 100, 120)
+    _wait_steps(task_dirs[1], 300, 120)
     slurm.run("scancel", "--signal=USR2", tasks[0], check=True)   # what a preemption sends to one task
+    line = next(x for x in (task_dirs[1] / "logs" / "rank-0.log").read_text().splitlines() if "on-node" in x)
+    os.kill(int(re.search(r"pid (\d+)", line).group(1)), signal.SIGKILL)
     for t in tasks:
         assert slurm.wait_done(t, 400) == "COMPLETED"
     assert len(slurm.sacct(tasks[0])) == 2
-    assert len(slurm.sacct(tasks[1])) == 1
-    ev = json.loads((task_dirs[0] / "requeue.json").read_text())["events"]
-    assert ev[0]["key"].startswith(tasks[0] + ":"), ev
-    assert not (task_dirs[1] / "requeue.json").exists()
+    assert len(slurm.sacct(tasks[1])) == 1 and slurm.restarts(tasks[1]) == 0
+    assert len(slurm.job_steps(tasks[1])) >= 2, slurm.job_steps(tasks[1])
+    ev = json.loads((task_dirs[0] / "requeue.json").read_text())
+    assert ev["events"][0]["key"].startswith(tasks[0] + ":") and not ev.get("in_place"), ev
+    rec = json.loads((task_dirs[1] / "requeue.json").read_text())
+    assert rec["events"] == [] and len(rec["in_place"]) == 1 and rec["in_place"][0]["step"] >= 200, rec
+    assert json.loads((task_dirs[1] / "result.json").read_text())["steps"] == 800
+
+
+def _wait_steps_after(run_dir: Path, since: float, at_least: int, timeout: float) -> None:
+    """Wait until a step logged after ``since`` (``time.time()``) reaches ``at_least``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        if max((r["step"] for r in rows if r["time"] > since), default=0) >= at_least:
+            return
+        assert time.monotonic() < deadline, f"no progress to step {at_least} after the restart in {run_dir}"
+        time.sleep(0.5)
 
 
 def _two_node_job_at(slurm, run_dir: Path, max_steps: int, timeout_s: int, step: int, *flags: str) -> tuple[str, int]:
@@ -209,40 +228,22 @@ def _restarted_in_place_after(run_dir: Path, fault_at: float, bound_s: float) ->
     raise AssertionError(f"no restart in place {bound_s + 30:.0f}s after the fault")
 
 
-def _assert_recovered_in_place(slurm, job: str, run_dir: Path, steps: int) -> str:
+def _assert_recovered_in_place(slurm, job: str, run_dir: Path, steps: int, restarts: int = 1) -> str:
     """COMPLETED without going back to the queue: Restarts=0, one sacct record, a second job
     step, the failure budget untouched, one in-place restart, resumed from a checkpoint. Returns
     rank 0's log."""
     assert slurm.wait_done(job, 300) == "COMPLETED"
     runs = [r for r in slurm.sacct(job) if r["State"] != "RESIZING"]   # a lost node's shrink is no run
     assert slurm.restarts(job) == 0 and len(runs) == 1, slurm.sacct(job)
-    assert len(slurm.job_steps(job)) >= 2, slurm.job_steps(job)
+    assert len(slurm.job_steps(job)) >= restarts + 1, slurm.job_steps(job)
     rec = json.loads((run_dir / "requeue.json").read_text())
-    assert rec["counts"]["failure"] == 0 and len(rec["in_place"]) == 1, rec
+    assert rec["counts"]["failure"] == 0 and len(rec["in_place"]) == restarts, rec
     log0 = (run_dir / "logs" / "rank-0.log").read_text()
     assert re.search(r"resumed from \S+step-\d+: step \d+", log0), log0[-3000:]
     assert json.loads((run_dir / "result.json").read_text())["steps"] == steps
     goodput = json.loads((run_dir / "goodput.json").read_text())["segments"]
-    assert [bool(s.get("in_place")) for s in goodput][-2:] == [False, True], goodput
+    assert [bool(s.get("in_place")) for s in goodput][-restarts - 1:] == [False] + [True] * restarts, goodput
     return log0
-
-
-def test_killed_rank_is_restarted_in_place_without_a_requeue(slurm, reference, tmp_path):
-    """kill -9 of rank 1 on the second node: the step ends (srun --kill-on-bad-exit), the batch
-    shell starts a new step in the same allocation, which resumes from the newest checkpoint and
-    ends bitwise equal to the uninterrupted run (the steps after that checkpoint trained again)."""
-    run_dir = tmp_path / "job"
-    timeout_s = 30
-    job, pid = _two_node_job_at(slurm, run_dir, STEPS, timeout_s, 500)
-    os.kill(pid, signal.SIGKILL)
-    took = _restarted_in_place_after(run_dir, time.time(), timeout_s)
-    print(f"kill -9 of rank 1 on Slurm: restarted in place {took:.1f} s later")
-    # A bound on a hang (the step must not outlive a dead rank), not a speed requirement.
-    assert took < timeout_s + 30, f"the step kept running {took:.0f}s after a rank died"
-    _assert_recovered_in_place(slurm, job, run_dir, STEPS)
-    ref, ref_losses = reference
-    assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
-    assert losses(run_dir) == ref_losses
 
 
 def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_path):
@@ -282,23 +283,37 @@ def _node_down(slurm, node: str):
         slurm.idle()
 
 
-def test_a_lost_node_is_replaced_by_a_spare_and_the_run_ends_bitwise(slurm, reference, tmp_path):
-    """job.spare_nodes=1: 3 nodes allocated, 2 used. Rank 1's node set DOWN mid-run: the job
-    keeps its allocation (--no-kill), the next step runs on the spare at the same world size,
-    and the final weights are bitwise those of the uninterrupted run."""
+def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, reference, tmp_path):
+    """job.spare_nodes=1: 3 nodes allocated, 2 used. First kill -9 of rank 1: the step ends
+    (srun --kill-on-bad-exit), and the batch shell starts a new step in the same allocation, the
+    crashed rank's node last, so rank 1 moves to the spare. Then rank 1's new node is set DOWN:
+    the job keeps its allocation (--no-kill), and the next step runs on the node left free, at
+    the same world size. Each step resumes from the newest checkpoint, and the final weights
+    are bitwise those of the uninterrupted run."""
     run_dir = tmp_path / "job"
-    job, _ = _two_node_job_at(slurm, run_dir, STEPS, 30, 500, "--set", "job.spare_nodes=1")
+    timeout_s = 30
+    job, pid = _two_node_job_at(slurm, run_dir, STEPS, timeout_s, 500, "--set", "job.spare_nodes=1")
+    crashed = _host_of(run_dir, 1)
+    os.kill(pid, signal.SIGKILL)
+    took = _restarted_in_place_after(run_dir, time.time(), timeout_s)
+    print(f"kill -9 of rank 1 on Slurm: restarted in place {took:.1f} s later")
+    # A bound on a hang (the step must not outlive a dead rank), not a speed requirement.
+    assert took < timeout_s + 30, f"the step kept running {took:.0f}s after a rank died"
+    first = json.loads((run_dir / "requeue.json").read_text())["in_place"][0]
+    assert first["lost"] == [] and crashed not in first["nodes"] and len(first["nodes"]) == 2, first
+    _wait_steps_after(run_dir, first["time"], first["step"] + 300, 180)
     lost = _host_of(run_dir, 1)
+    assert lost != crashed, lost
     with _node_down(slurm, lost):
-        _assert_recovered_in_place(slurm, job, run_dir, STEPS)
-    event = json.loads((run_dir / "requeue.json").read_text())["in_place"][0]
-    assert event["lost"] == [lost] and lost not in event["nodes"] and len(event["nodes"]) == 2, event
-    assert event["world_size"] == event["world_before"] == 2, event
+        _assert_recovered_in_place(slurm, job, run_dir, STEPS, restarts=2)
+    second = json.loads((run_dir / "requeue.json").read_text())["in_place"][1]
+    assert second["lost"] == [lost] and second["nodes"] == [first["nodes"][0], crashed], second
+    assert second["world_size"] == second["world_before"] == 2, second
     assert json.loads((run_dir / "result.json").read_text())["world_size"] == 2
     ref, ref_losses = reference
     assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
     assert losses(run_dir) == ref_losses
-    assert f"{lost} lost at step {event['step']}" in slurm.cli("status", run_dir).stdout
+    assert f"{lost} lost at step {second['step']}" in slurm.cli("status", run_dir).stdout
 
 
 def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
