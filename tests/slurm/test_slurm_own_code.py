@@ -17,7 +17,7 @@ from slurm_helpers import ROOT, assert_bitwise, export, losses
 pytestmark = pytest.mark.slurm
 
 CHARLM = str(ROOT / "jobs" / "charlm.py")
-STEPS = 2500
+STEPS = 1500
 SETS = ["--set", "log.tensorboard=false", "--set", "train.log_every=100", "--set", "checkpoint.every_steps=500"]
 
 
@@ -98,7 +98,7 @@ def test_own_loop_script_preempted_then_killed_is_bitwise(slurm, local_reference
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     _preempt_at(slurm, job, run_dir, [300])
-    _kill_rank1_at(slurm, job, run_dir, 1300)
+    _kill_rank1_at(slurm, job, run_dir, 900)
     assert slurm.wait_done(job, 400) == "COMPLETED"
     assert slurm.restarts(job) == 1 and len(slurm.sacct(job)) == 2, slurm.sacct(job)   # the preemption only
     assert len(slurm.job_steps(job)) >= 2, slurm.job_steps(job)     # the killed step and its restart
@@ -124,7 +124,7 @@ def test_python_api_callable_preempted_twice_is_bitwise(slurm, local_reference, 
     import hpc_train
     job = hpc_train.submit(charlm.main, ["--steps", str(STEPS)], nodes=2, partition="low", run_dir=run_dir,
                            overrides=[s for s in SETS if s != "--set"])
-    _preempt_at(slurm, job.job_id, run_dir, [300, 1300])
+    _preempt_at(slurm, job.job_id, run_dir, [300, 900])
     result = job.results()[0]          # the final run's return value: run.finish's result
     assert result["steps"] == STEPS and "loss" in result, result
     _check_finished_bitwise(slurm, job.job_id, run_dir, tmp_path, local_reference)
