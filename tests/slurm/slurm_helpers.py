@@ -77,6 +77,14 @@ class Cluster:
         return self.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                                         "OUT_OF_MEMORY"}, timeout)
 
+    def preempt_all(self, timeout: float = 180) -> None:
+        """Preempt whatever runs in the low partition: a short high-priority job on every node
+        (on fewer, a job that leaves enough nodes idle would not be preempted)."""
+        nodes = self.run("sinfo", "-h", "-p", "high", "-o", "%D", check=True).stdout.split()[0]
+        high = self.run("sbatch", "--parsable", "-p", "high", f"-N{nodes}", "--exclusive", "-o", "/dev/null",
+                        "--wrap", "sleep 2", check=True).stdout.strip()
+        self.wait_done(high, timeout)
+
     def idle(self, timeout: float = 60) -> None:
         """Wait until no job is in the queue (tests must not see each other's jobs)."""
         deadline = time.monotonic() + timeout

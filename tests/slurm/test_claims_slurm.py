@@ -49,9 +49,7 @@ def test_spent_preemption_budget_stops_without_a_requeue(slurm, tmp_path):
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     slurm.wait_state(job, {"RUNNING"}, 120)
     _wait_steps(run_dir, 50, 180)
-    high = slurm.run("sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", "/dev/null",
-                     "--wrap", "sleep 2", check=True).stdout.strip()
-    slurm.wait_done(high, 180)
+    slurm.preempt_all()
     final = slurm.wait_done(job, 180)
     assert final != "COMPLETED", final                         # it did not finish
     runs = slurm.sacct(job)
@@ -97,12 +95,19 @@ def test_submit_refuses_a_directory_that_a_local_run_holds(slurm, tmp_path):
 @pytest.mark.parametrize("state", ["PENDING", "RUNNING"])
 def test_submit_refuses_a_directory_whose_last_job_is_live(slurm, tmp_path, state):
     run_dir = tmp_path / "job"
+    blocker = None
+    if state == "PENDING":   # every node taken first, so the job cannot start before it is held
+        nodes = slurm.run("sinfo", "-h", "-p", "high", "-o", "%D", check=True).stdout.split()[0]
+        blocker = slurm.run("sbatch", "--parsable", "-p", "high", f"-N{nodes}", "--exclusive", "-o", "/dev/null",
+                            "--wrap", "sleep 120", check=True).stdout.strip()
+        slurm.wait_state(blocker, {"RUNNING"}, 60)
     r = slurm.cli("submit", *BASE, "--set", "train.max_steps=100000", "--nodes", "1", "--run-dir", run_dir)
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     try:
         if state == "PENDING":
             slurm.run("scontrol", "hold", job, check=True)       # held: pending until released
+            slurm.run("scancel", blocker, check=True)
             assert slurm.wait_state(job, {"PENDING", "RUNNING"}, 60) == "PENDING"
         else:
             slurm.wait_state(job, {"RUNNING"}, 120)

@@ -36,9 +36,7 @@ def _preempt_at(slurm, job_id: str, run_dir: Path, at_steps: list[int]) -> None:
         while _steps(run_dir) < step:
             assert time.monotonic() < deadline, f"no progress past step {_steps(run_dir)} in {run_dir}"
             time.sleep(0.3)
-        high = slurm.run("sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", "/dev/null",
-                         "--wrap", "sleep 2", check=True).stdout.strip()
-        slurm.wait_done(high, 180)
+        slurm.preempt_all()
 
 
 def _stop_resume_pairs(run_dir: Path) -> list[tuple[int, int]]:
@@ -151,9 +149,7 @@ def test_unaware_torchrun_script_is_requeued_then_restarted_in_place_from_its_sn
     while not snap.exists():
         assert time.monotonic() < deadline, "no snapshot written"
         time.sleep(0.2)
-    high = slurm.run("sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", "/dev/null",
-                     "--wrap", "sleep 2", check=True).stdout.strip()
-    slurm.wait_done(high, 180)
+    slurm.preempt_all()
     log0 = run_dir / "logs" / "rank-0.log"
     deadline = time.monotonic() + 180      # the requeued run resumed and trains an epoch further
     while not re.search(r"resuming training from snapshot at epoch \d+[\s\S]*epoch \d+ loss", log0.read_text()):
