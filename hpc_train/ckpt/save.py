@@ -143,8 +143,12 @@ class Checkpointer:
         # (234 MB, 2 ranks, 2 cores: fsync'd saves 15-35% faster than DCP's default of 1;
         # benchmarks/checkpoint.py). For a 14 MB state, one thread measured no better (4
         # interleaved runs of benchmarks/overhead.py with a save every 10 steps: 0.97x).
-        writer = ChecksummingWriter(str(path), own=own, facts={"plain": plain}, thread_count=IO_THREADS,
-                                    sync_files=True)
+        # An async save writes behind the loop with one thread, at a lower priority: the training
+        # threads keep the CPU (a sync save has the machine to itself: IO_THREADS, full priority).
+        background = self.cfg.async_save and not blocking
+        writer = ChecksummingWriter(str(path), own=own, facts={"plain": plain},
+                                    thread_count=1 if background else IO_THREADS, sync_files=True,
+                                    background=background)
         kw = dict(storage_writer=writer, process_group=self.pg, no_dist=self.no_dist)
         if self.cfg.async_save and not blocking:
             if self.stager is not None and self._stager_overlaps != overlap:
