@@ -143,6 +143,37 @@ def test_spent_time_limit_budget_ends_with_a_clear_state(slurm, tmp_path):
     assert (run_dir / "checkpoints" / f"step-{saved.group(1)}" / "commit.json").exists()
 
 
+def test_a_crash_loop_spends_the_in_place_budget_then_the_failure_budget_and_ends(slurm, tmp_path):
+    """A rank that always dies at the same step (its model's forward raises at step 5, and no
+    checkpoint is ever saved): restarted in place once (1 of 3), again with no progress (counted
+    twice: 3 of 3), then requeued once by the failure budget; the requeued job's failure finds
+    both budgets spent and the job ends FAILED with one line naming the cause. Nothing is deleted."""
+    run_dir = tmp_path / "job"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    kept = run_dir / "checkpoints" / "kept.txt"
+    kept.write_text("nothing is deleted")
+    marker = tmp_path / "FAIL"
+    marker.write_text("fail")
+    env = {**slurm.env, "HPC_TEST_FAIL_MARKER": str(marker), "HPC_TEST_FAIL_RUN": run_dir.name,
+           "HPC_TEST_FAIL_AT_STEP": "5"}
+    r = slurm.cli("submit", *BASE, "--set", "model.name=tests.plugins_for_tests:fail_while_marked",
+                  "--set", "train.max_steps=100", "--set", "checkpoint.every_steps=0",
+                  "--set", "job.restarts_in_place=3", "--set", "job.requeue_failure=1", "--nodes", "1",
+                  "--run-dir", run_dir, env=env)
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    assert slurm.wait_done(job, 300) == "FAILED"
+    assert len(slurm.sacct(job)) == 2, slurm.sacct(job)            # one requeue: the failure budget's
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert [(e["step"], e["charge"]) for e in rec["in_place"]] == [(0, 1), (0, 2)], rec
+    assert rec["counts"]["failure"] == 1 and "failure budget (1) spent, not requeued" in rec["final"], rec
+    out = "".join(p.read_text() for p in (run_dir / "submitit").glob(f"{job}_0_log.*"))
+    last = [ln for ln in out.splitlines() if ln.startswith("hpc_train requeue-hook:")][-1]
+    assert "in-place restarts spent (3 of 3 used" in last and "failure budget (1) spent" in last, out[-3000:]
+    assert kept.read_text() == "nothing is deleted" and not (run_dir / "result.json").exists()
+    assert "test failure:" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
 def test_finished_run_is_never_trained_again(slurm, tmp_path):
     run_dir = tmp_path / "job"
     r = slurm.cli("submit", *BASE, "--set", "train.max_steps=20", "--nodes", "1", "--run-dir", run_dir, "--wait")
