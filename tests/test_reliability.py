@@ -263,7 +263,7 @@ def test_full_and_read_only_disks_are_one_line(small_disk):
     assert "Traceback" not in p.stderr and "Logging error" not in p.stderr, show(p)
     line = next(x for x in p.stderr.splitlines() if x.startswith("hpc_train: worker rank"))
     assert "No space left on device" in line or "could not be recorded" in line, show(p)
-    assert "No space left on device" in p.stderr
+    assert "No space left on device" in p.stderr, show(p)
     # The save that filled the disk left a step directory, which must not count as complete (a loop
     # over the complete ones alone would pass on nothing: here none is, the first save fails).
     scanned = resume.scan(full / "run")

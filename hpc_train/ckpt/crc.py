@@ -40,14 +40,18 @@ class _Summing:
     """A binary file being written, summed as it goes: the whole file, and each span between
     two ``tell()`` calls."""
 
-    def __init__(self, raw: Any) -> None:
-        self.raw, self.pos, self.crc = raw, 0, 0
+    def __init__(self, raw: Any, errors: list[OSError]) -> None:
+        self.raw, self.pos, self.crc, self.errors = raw, 0, 0, errors
         self._start, self._span = 0, 0
         self.spans: dict[tuple[int, int], int] = {}
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        n = self.raw.write(view)
+        try:
+            n = self.raw.write(view)
+        except OSError as e:     # kept: torch.save's C++ writer would report it as "unexpected pos"
+            self.errors.append(e)
+            raise
         if n != view.nbytes:
             raise OSError(f"short write: {n} of {view.nbytes} bytes")
         # The binding takes only bytes (see checksum.extend): DCP hands over memoryviews of whole
@@ -106,6 +110,7 @@ class _SummingFS(FileSystem):
     def __init__(self, sink: dict[str, _Summing], nice: int = 0) -> None:
         super().__init__()
         self.sink, self.nice = sink, nice
+        self.errors: list[OSError] = []     # what the file system said, e.g. ENOSPC (see write_data)
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -116,7 +121,7 @@ class _SummingFS(FileSystem):
         if self.nice:
             _lower_this_thread(self.nice)
         with super().create_stream(path, mode) as raw:
-            s = _Summing(raw)
+            s = _Summing(raw, self.errors)
             yield s
             s.cut()
             self.sink[Path(path).name] = s     # each file is written by one thread
@@ -140,7 +145,14 @@ class ChecksummingWriter(dcp.FileSystemWriter):
         self.facts: list[Any] = []
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
-        results = super().write_data(plan, planner).wait()   # DCP's writer returns it done
+        try:
+            results = super().write_data(plan, planner).wait()   # DCP's writer returns it done
+        except Exception:
+            # An item DCP pickles goes through torch.save, whose C++ writer turns the stream's
+            # OSError (a full disk) into "enforce fail ... unexpected pos": name the cause.
+            if self.fs.errors:
+                raise self.fs.errors[0] from None
+            raise
         files = {**self._own, **{name: hexdigest(s.crc) for name, s in self._sink.items() if name != _METADATA_TMP}}
         items: dict[str, list[list[Any]]] = {}
         for wr in results:
