@@ -90,7 +90,7 @@ def hook(run_dir: Path, status: int, env: dict[str, str] | None = None,
         spent = ""
         # Not for a refusal (usage errors: the same input fails the same way) or a stop.
         if failed_first or status not in (EXIT_USAGE, UNFINISHED):
-            where, note = _next_nodes(run_dir, job, env, tasks_per_node, step)
+            where, note = _next_nodes(run_dir, job, env, tasks_per_node, step, target)
             if where is None and note:
                 spent = f"{note}; "
             else:
@@ -161,13 +161,16 @@ def _failed_ranks(run_dir: Path) -> list[int]:
 
 
 def _next_nodes(run_dir: Path, job: JobSection | None, env: dict[str, str], tasks_per_node: int,
-                step: int) -> tuple[nodes.Step | None, str]:
+                step: int, target: str) -> tuple[nodes.Step | None, str]:
     """Where the next step runs when the job survives a lost node (None and "" when it does
-    not: srun's defaults), or None and why there are too few nodes to go on in place."""
+    not: srun's defaults), or None and why there are too few nodes to go on in place. The
+    failed step's node count: this job's last in-place restart's (a requeued job starts again
+    on job.nodes), else job.nodes."""
     if job is None or not nodes.guards_nodes(job):
         return None, ""
     rec = _load(run_dir)
-    placed = [e for e in rec.get("in_place", []) if isinstance(e, dict) and isinstance(e.get("nodes"), list)]
+    placed = [e for e in rec.get("in_place", []) if isinstance(e, dict) and isinstance(e.get("nodes"), list)
+              and e.get("job") == target]
     previous = len(placed[-1]["nodes"]) if placed else job.nodes
     implicated = nodes.failed_hosts(run_dir, _failed_ranks(run_dir))
     where, why = nodes.next_step(job, env, implicated, previous)
