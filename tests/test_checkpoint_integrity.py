@@ -3,6 +3,7 @@ checkpoints. Real 2-rank `python -m hpc_train run` processes, real files, real d
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -15,6 +16,7 @@ from ckpt_helpers import hpc, run, show, snapshot, steps, write_config
 
 from hpc_train.ckpt import store as resume
 from hpc_train.config import CheckpointSection
+from hpc_train.errors import CheckpointError
 
 KEEP_SKIPPED = CheckpointSection().keep_skipped
 from hpc_train.cli.ckpt import verify_one
@@ -276,3 +278,55 @@ def test_random_bit_flips_never_resume_from_damage_nor_delete_intact(tmp_path):
         outcomes.append(f"{victim.path.name}/{name}: resumed {loaded}")
     print(f"{ROUNDS} rounds, every resume loaded the newest intact checkpoint:")
     print("\n".join(outcomes))
+
+
+# -- issue 22.2: an item summed in the buffers its reader fills -------------------------------
+def _item(tmp_path, data: bytes, offset: int, length: int):
+    from hpc_train.ckpt.checksum import Checks, hexdigest, extend
+    f = tmp_path / "shard"
+    f.write_bytes(data)
+    want = hexdigest(extend(0, data[offset:offset + length]))
+    checks = Checks(tmp_path, {"checksums": {"algorithm": "crc32c", "files": {}, "items": {
+        "shard": [[offset, length, want]]}}})
+    return checks, open(f, "rb")
+
+
+def test_an_item_read_out_of_order_is_summed_once_in_order(tmp_path):
+    """A zip reader's pattern: the end first, then from the start with small skips, re-reads;
+    what it gets is the file's bytes, and the check passes; one flipped bit fails it."""
+    data = os.urandom(3 << 20)
+    offset, length = 4097, (2 << 20) + 123
+    for flip in (None, offset + length - 10, offset + (1 << 20) + 5):
+        raw = bytearray(data)
+        if flip is not None:
+            raw[flip] ^= 0x10
+        checks, f = _item(tmp_path, data, offset, length)     # the record: the undamaged bytes'
+        (tmp_path / "shard").write_bytes(bytes(raw))
+        with f:
+            item = checks.item("shard", f, offset, length)
+            item.seek(-22, io.SEEK_END)
+            assert item.read(22) == raw[offset + length - 22:offset + length]
+            item.seek(0)
+            head = item.read(30)
+            item.seek(64)                                   # a skipped header
+            body = item.read(length - 64 - 200)
+            item.seek(10)
+            item.read(5)                                    # a re-read
+            assert head == raw[offset:offset + 30] and body == raw[offset + 64:offset + length - 200]
+            if flip is None:
+                checks.settle()
+            else:
+                with pytest.raises(CheckpointError, match=rf"shard \(bytes {offset}-{offset + length}\) fails its "
+                                                          r"crc32c check \(recorded \w{8}, read \w{8}\)"):
+                    checks.settle()
+
+
+def test_an_item_cut_short_names_the_bytes_it_found(tmp_path):
+    data = os.urandom(1 << 16)
+    checks, f = _item(tmp_path, data, 100, 60000)
+    (tmp_path / "shard").write_bytes(data[:30000])
+    with f:
+        item = checks.item("shard", f, 100, 60000)
+        assert len(item.read()) == 29900
+        with pytest.raises(CheckpointError, match=r"read 29900 of 60000 bytes"):
+            checks.settle()

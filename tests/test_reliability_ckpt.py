@@ -8,11 +8,13 @@ would do; it is said so at the spot."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import re
 import shutil
+import zipfile
 import zlib
 
 import pytest
@@ -106,13 +108,30 @@ def _model_item(ck) -> tuple[str, int, int]:
     return str(info.relative_path), info.offset, info.offset + info.length
 
 
-def test_a_flipped_bit_is_caught_by_the_load_and_every_rank_falls_back(copy):
+@pytest.mark.parametrize("where", ["weights", "zip directory"])
+def _tensor_bytes(path, lo: int, hi: int) -> tuple[int, int]:
+    """Where the tensor's own bytes lie in the storage item [lo, hi): torch.save's zip entry
+    ``*/data/0`` (its local header is 30 bytes, the name and the extra field)."""
+    item = path.read_bytes()[lo:hi]
+    entry = next(e for e in zipfile.ZipFile(io.BytesIO(item)).infolist() if e.filename.endswith("/data/0"))
+    at = entry.header_offset
+    start = at + 30 + int.from_bytes(item[at + 26:at + 28], "little") + int.from_bytes(item[at + 28:at + 30], "little")
+    return lo + start, lo + start + entry.file_size
+
+
+@pytest.mark.parametrize("where", ["weights", "zip directory"])
+def test_a_flipped_bit_is_caught_by_the_load_and_every_rank_falls_back(copy, where):
     """The workers choose by sizes only; the rank that reads the damaged item finds it, and every
-    rank moves on to step-4 together. Nothing is deleted; the damaged one is moved aside."""
+    rank moves on to step-4 together. Nothing is deleted; the damaged one is moved aside. In the
+    item's zip directory, torch.load fails before the item is checked: the checksum is still what
+    the error names."""
     cfg, rd = copy
     ck6 = rd / "checkpoints" / "step-6"
     name, lo, hi = _model_item(ck6)
-    flip_bit(ck6 / name, random.Random(22), lo, hi)
+    if where == "weights":
+        flip_bit(ck6 / name, random.Random(22), *_tensor_bytes(ck6 / name, lo, hi))
+    else:
+        flip_bit(ck6 / name, random.Random(22), hi - 22, hi - 18)      # its signature: torch.load fails
     damaged = snapshot(ck6)
     p = resume_on_workers(rd)
     assert p.returncode == 0, show(p)

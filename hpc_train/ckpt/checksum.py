@@ -4,10 +4,13 @@
 DCP's shard files, one per storage item (``items``: ``[offset, length, checksum]``). They are
 computed by whoever writes the bytes, as they are written (:mod:`hpc_train.ckpt.crc`), never by
 reading the files back. Readers check what they read against them (:class:`Checks`): a resume
-checks each item it loads, ``ckpt verify`` and ``ckpt export`` read whole files up front.
+sums each item it loads in the buffers ``torch.load`` reads it into (:class:`CheckedItem`), so
+verifying costs one CRC of bytes already in cache, not a second read or a copy; ``ckpt verify``
+and ``ckpt export`` read whole files up front.
 
-CRC32C (``google_crc32c``: the CPU's CRC instruction) is what new checkpoints record; CRC-32
-(``zlib``) is what they recorded before, and records that name it still verify. A CRC detects
+CRC32C (the ``crc32c`` package: the CPU's CRC instruction, on any buffer without a copy) is what
+new checkpoints record; CRC-32 (``zlib``) is what they recorded before, and records that name it
+still verify. A CRC detects
 every single-bit error and every burst up to 32 bits; it guards against rot, not against someone
 who edits ``commit.json`` too (safe loading in :mod:`hpc_train.ckpt.safe` covers that).
 
@@ -18,6 +21,7 @@ device is refused instead of read (a FIFO or ``/dev/zero`` would never end).
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 import zlib
@@ -33,12 +37,11 @@ CHUNK = 4 << 20            # read 4 MiB at a time: whole shards would double pea
 
 
 def extend(crc: int, data: Any, algorithm: str = CRC32C) -> int:
-    """``crc`` extended by ``data`` (bytes, or any buffer)."""
+    """``crc`` extended by ``data`` (bytes, or any buffer: a memoryview is summed in place)."""
     if algorithm == CRC32:
         return zlib.crc32(data, crc)
-    import google_crc32c
-    # The binding takes only ``bytes`` (its "y#" argument refuses memoryviews and bytearrays).
-    return google_crc32c.extend(crc, data if isinstance(data, bytes) else bytes(data))
+    import crc32c
+    return crc32c.crc32c(data, crc)
 
 
 def hexdigest(crc: int) -> str:
@@ -110,6 +113,77 @@ def record_problem(sums: Any, files: dict[str, Any]) -> str | None:
     return None
 
 
+class CheckedItem(io.RawIOBase):
+    """One storage item of an open shard file (``length`` bytes at ``offset``), read by its
+    consumer (``torch.load``) through this object and summed as it is read: each piece is summed
+    in the consumer's own buffer right after the read fills it, while it is in cache. Pieces
+    that arrive out of order (a zip reader starts at the end) are not summed then; a gap of at
+    most ``_GAP`` bytes is summed from the file, and :meth:`verify` sums whatever is left from
+    the file: what torch.load used is what was checked, and every byte is summed once in order."""
+
+    _PIECE = 1 << 20    # bytes read (and summed) at a time: a piece is still in cache when summed
+    _GAP = 1 << 16      # what a zip reader skips (headers, padding) is read again to be summed
+
+    def __init__(self, checks: Checks, name: str, f: BinaryIO, offset: int, length: int, want: str) -> None:
+        super().__init__()
+        self.checks, self.name, self.fd = checks, name, f.fileno()
+        self.offset, self.length, self.want = offset, length, want
+        self.pos = 0        # the consumer's position in the item
+        self.done = 0       # bytes [0, done) of the item are summed, in order
+        self.crc = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = min(view.nbytes, self.length - self.pos)
+        got = 0
+        while got < n:
+            at = self.pos + got
+            k = os.preadv(self.fd, [view[got:min(n, got + self._PIECE)]], self.offset + at)
+            if k <= 0:
+                break       # the file is shorter than the record says: verify() names it
+            if self.done < at <= self.done + self._GAP:
+                self._sum_from_file(at)
+            if at == self.done:
+                self.crc = extend(self.crc, view[got:got + k], self.checks.algorithm)
+                self.done += k
+            got += k
+        self.pos += got
+        return got
+
+    def readall(self) -> bytes:
+        buf = bytearray(max(0, self.length - self.pos))
+        return bytes(buf[:self.readinto(buf)])
+
+    def _sum_from_file(self, end: int) -> None:
+        while self.done < end:
+            data = os.pread(self.fd, min(CHUNK, end - self.done), self.offset + self.done)
+            if not data:
+                return
+            self.crc = extend(self.crc, data, self.checks.algorithm)
+            self.done += len(data)
+
+    def verify(self) -> None:
+        """Sum what the consumer did not read in order, and compare; the file must still be open."""
+        self._sum_from_file(self.length)
+        got = hexdigest(self.crc) if self.done == self.length else f"{self.done} of {self.length} bytes"
+        if got != self.want:
+            self.checks.fail(f"{self.name} (bytes {self.offset}-{self.offset + self.length})", self.want, got)
+
+
 class Checks:
     """What one reader checks the bytes it reads against: a commit record's checksums. A record
     without them (saved before they existed) checks nothing; sizes were checked already."""
@@ -122,29 +196,34 @@ class Checks:
         self.items: dict[str, dict[tuple[int, int], str]] = {
             name: {(r[0], r[1]): r[2] for r in rows} for name, rows in sums.get("items", {}).items()}
         self._whole_done: set[str] = set()
+        self._reading: list[CheckedItem] = []
 
-    def _fail(self, name: str, what: str, want: str, got: str) -> None:
+    def fail(self, what: str, want: str, got: str) -> None:
         raise CheckpointError(f"{what} fails its {self.algorithm} check (recorded {want}, read {got})")
 
     def data(self, name: str, data: bytes) -> None:
         """A whole file, read into memory."""
         want = self.files.get(name)
         if want is not None and (got := hexdigest(extend(0, data, self.algorithm))) != want:
-            self._fail(name, name, want, got)
+            self.fail(name, want, got)
 
-    def item(self, name: str, f: BinaryIO, offset: int, length: int) -> bytes | None:
-        """One storage item of a shard file, read from ``f`` and checked; None where the record
-        has no checksum for that item (the whole file is then checked, once per reader)."""
+    def item(self, name: str, f: BinaryIO, offset: int, length: int) -> CheckedItem | None:
+        """One storage item of a shard file, to be read through the object returned, which sums
+        it as it is read; :meth:`settle` then checks it (before ``f`` is closed). None where the
+        record has no checksum for that item: the whole file is then checked, once per reader."""
         want = self.items.get(name, {}).get((offset, length))
         if want is None:
             self._whole(name, f)
             return None
-        f.seek(offset)
-        data = f.read(length)
-        got = hexdigest(extend(0, data, self.algorithm))
-        if len(data) != length or got != want:
-            self._fail(name, f"{name} (bytes {offset}-{offset + length})", want, got)
-        return data
+        item = CheckedItem(self, f"{name}", f, offset, length, want)
+        self._reading.append(item)
+        return item
+
+    def settle(self) -> None:
+        """Check every item handed out by :meth:`item` since the last call."""
+        reading, self._reading = self._reading, []
+        for item in reading:
+            item.verify()
 
     def _whole(self, name: str, f: BinaryIO) -> None:
         want = self.files.get(name)
@@ -155,5 +234,5 @@ class Checks:
         while chunk := f.read(CHUNK):
             c = extend(c, chunk, self.algorithm)
         if (got := hexdigest(c)) != want:
-            self._fail(name, name, want, got)
+            self.fail(name, want, got)
         self._whole_done.add(name)

@@ -7,7 +7,10 @@
   FIFOs or devices, which would be read forever).
 * Given the commit record's :class:`~hpc_train.ckpt.checksum.Checks`, what is read is checked
   as it is read: ``.metadata`` and the small files whole, DCP's shard files item by item (each
-  rank reads only the items it loads).
+  rank reads only the items it loads), summed in the buffers ``torch.load`` reads them into
+  (:class:`~hpc_train.ckpt.checksum.CheckedItem`) and checked when DCP is done with the file,
+  before the load returns. A mismatch is the error even when the damaged bytes made
+  ``torch.load`` fail first.
 """
 
 from __future__ import annotations
@@ -50,12 +53,23 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _RegularFS(FileSystem):
+    def __init__(self, checks: Checks | None) -> None:
+        super().__init__()
+        self.checks = checks
+
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         if "r" not in mode or "+" in mode:
             raise ValueError(f"checkpoint reader opens files for reading only, not {mode!r}")
         with open_regular(Path(path)) as f:
-            yield f
+            try:
+                yield f
+            except Exception:
+                if self.checks is not None:
+                    self.checks.settle()    # damaged bytes that torch.load choked on: name the damage
+                raise
+            if self.checks is not None:
+                self.checks.settle()        # the items read from f, checked while f is open
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -64,7 +78,7 @@ class SafeReader(dcp.FileSystemReader):
 
     def __init__(self, path: str, checks: Checks | None = None) -> None:
         super().__init__(path)
-        self.fs = _RegularFS()
+        self.fs = _RegularFS(checks)
         self.checks = checks
 
     def read_metadata(self, *args: Any, **kwargs: Any):
@@ -81,12 +95,12 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        # DCP reads each item it loads through one slice; an item read whole into memory is
-        # what torch.load would read of it anyway.
+        # DCP reads each item it loads through one slice (torch.load reads the tensor's bytes
+        # straight into its storage through it).
         if self.checks is not None:
-            data = self.checks.item(str(sinfo.relative_path), file, sinfo.offset, sinfo.length)
-            if data is not None:
-                return io.BytesIO(data)
+            item = self.checks.item(str(sinfo.relative_path), file, sinfo.offset, sinfo.length)
+            if item is not None:
+                return item
         return super()._slice_file(file, sinfo)
 
 
