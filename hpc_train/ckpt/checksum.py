@@ -10,9 +10,8 @@ and ``ckpt export`` read whole files up front.
 
 CRC32C (the ``crc32c`` package: the CPU's CRC instruction, on any buffer without a copy) is what
 new checkpoints record; CRC-32 (``zlib``) is what they recorded before, and records that name it
-still verify. A CRC detects
-every single-bit error and every burst up to 32 bits; it guards against rot, not against someone
-who edits ``commit.json`` too (safe loading in :mod:`hpc_train.ckpt.safe` covers that).
+still verify. A CRC detects every single-bit error and every burst up to 32 bits; it guards
+against rot, not against someone who edits ``commit.json`` too (safe loading in :mod:`hpc_train.ckpt.safe` covers that).
 
 Every read goes through :func:`open_regular`: a checkpoint file that is a symlink, a FIFO or a
 device is refused instead of read (a FIFO or ``/dev/zero`` would never end).
@@ -215,7 +214,7 @@ class Checks:
         if want is None:
             self._whole(name, f)
             return None
-        item = CheckedItem(self, f"{name}", f, offset, length, want)
+        item = CheckedItem(self, name, f, offset, length, want)
         self._reading.append(item)
         return item
 
