@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 
 from hpc_train import rundir
 
-FILE = rundir.GOODPUT
+FILE = "goodput.json"    # this module is its owner: Ledger writes, read() reads
 PARTS = ("training", "redone", "start-up", "recovery", "checkpoint", "exit", "between runs")
 
 
@@ -107,7 +108,8 @@ _NUMBERS = ("start", "end", "first_step", "load_s", "save_block_s", "redone_s", 
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number: JSON lets outside hands write NaN or Infinity, which no sum survives."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _problem(rec: dict[str, Any]) -> str | None:
@@ -131,7 +133,7 @@ def _problem(rec: dict[str, Any]) -> str | None:
 def read(run_dir: Path) -> tuple[dict[str, Any], str | None]:
     """The ledger, checked: (record, None); an empty one when there is none; (an empty one, what
     is wrong) when ``goodput.json`` is damaged."""
-    from hpc_train.rundir import read_json
+    from hpc_train.records.io import read_json
     rec, problem = read_json(Path(run_dir) / FILE)
     if rec is not None:
         problem = _problem(rec)
@@ -145,10 +147,9 @@ def _read(run_dir: Path) -> dict[str, Any]:
 
 
 def _first_submit(run_dir: Path, fallback: float) -> float:
-    try:
-        return float(json.loads((run_dir / rundir.JOB).read_text())["jobs"][0]["submitted"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return fallback
+    from hpc_train.records import jobs
+    first = jobs.first_submit(run_dir)
+    return fallback if first is None else first
 
 
 def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, float | None]:
@@ -181,10 +182,8 @@ def _restarted_in_place(run_dir: Path, segments: list) -> bool:
     prev = segments[-1].get("start") if segments and isinstance(segments[-1], dict) else None
     if not _is_num(prev):
         return False
-    rec, _ = rundir.read_json(run_dir / rundir.REQUEUE)
-    events = rec.get("in_place") if isinstance(rec, dict) else None
-    return isinstance(events, list) and any(isinstance(e, dict) and _is_num(e.get("time"))
-                                            and e["time"] > prev for e in events)
+    from hpc_train.records import requeue
+    return any(e.time > prev for e in requeue.read(run_dir).in_place)
 
 
 class Ledger:

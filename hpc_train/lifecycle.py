@@ -128,7 +128,8 @@ def _report_lost_peers(run: Run) -> None:
                                     f"{line}\n\n{''.join(traceback.format_exception(kind, value, tb))}")
             except OSError:
                 pass
-            print(f"hpc_train: rank {run.rank} on {os.uname().nodename}: {line}", file=sys.stderr)
+            from hpc_train.records.ranks import node_name
+            print(f"hpc_train: rank {run.rank} on {node_name()}: {line}", file=sys.stderr)
             return
         default(kind, value, tb)
     sys.excepthook = hook
@@ -136,26 +137,22 @@ def _report_lost_peers(run: Run) -> None:
 
 def _prepare(s: session_mod.Session, under_launcher: bool, resume: str) -> str | None:
     """Rank 0: the run directory's lock (unless a launcher of ours holds it); outside hpc_train's
-    launchers (which did the rest before starting any process) ``HPC_TRAIN_RESUME=none`` moves
-    old checkpoints aside, the config is compared with the one the checkpoints were made with,
-    and written. Other ranks start their heartbeat. Returns what refuses the run, or None.
-    (A finished run was refused before: ``HPC_TRAIN_RESUME=none`` starts it over.)"""
+    launchers (which did the rest before starting any process) the pre-launch sequence
+    (:func:`hpc_train.ckpt.prelaunch.prelaunch`: the config checked against the checkpoints',
+    the resume plan, the config written). Other ranks start their heartbeat. Returns what
+    refuses the run, or None. (A finished run was refused before: ``HPC_TRAIN_RESUME=none``
+    starts it over.)"""
     if not s.is_main:
         session_mod.claim(s, lock=False)
         s.finished = None
         return None
-    from hpc_train.ckpt import compat, store
     try:
         # After the group is up, so that a refusal reaches every rank at once: a rank left waiting
         # in the rendezvous would hang until dist.init_timeout_s (a plain srun does not end it).
         session_mod.claim(s, lock=not session_mod.launcher_holds_lock())
         s.finished = None
-        if under_launcher:
-            return None
-        if resume != "none":
-            compat.check_resume_changes(s.run_dir, s.cfg, log.warning)
-        store.plan(s.run_dir, resume, None, warn=log.warning, verify=False)   # `none` moves aside
-        config_mod.write(s.cfg, s.run_dir)
+        if not under_launcher:
+            session_mod.prelaunch(s, resume)
     except UsageError as e:
         return f"hpc_train: {e}"
     return None

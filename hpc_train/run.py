@@ -374,8 +374,7 @@ class Run:
         marks a stopped run finished; a second call changes nothing and says so."""
         out = dict(result or {})
         if self.finished:
-            log.warning("finish() called again: the run finished already and %s is written once; ignored",
-                        rundir.RESULT)
+            log.warning("finish() called again: the run finished already and result.json is written once; ignored")
             return dict(self._result)
         if self.stopped:
             log.warning("finish() after a stop: the run is not finished; it resumes when run again")
@@ -391,7 +390,8 @@ class Run:
         self._close()
         self._agreement.all_reached(self.device)   # a peer that left fails this: no result.json then
         if self.is_main:
-            rundir.write_json(self.run_dir / rundir.RESULT, out)
+            from hpc_train.records import result
+            result.write(self.run_dir, out)
             if self.config.log.tensorboard and (self.run_dir / rundir.TB).is_dir():
                 log.info("TensorBoard logs: tensorboard --logdir %s", self.run_dir / rundir.TB)
         self.finished, self._result = True, out

@@ -1,10 +1,12 @@
-"""The run directory's file names, in one place, and atomic JSON writes. No torch here.
+"""The run directory's layout, its lock, and the one atomic write. No torch here.
 
 ``RUN_DIR/`` holds ``config.yaml`` (the resolved config), ``logs/rank-R.log`` (and
 ``rank-R.error`` when a rank fails), ``metrics.jsonl``, ``tb/``, ``checkpoints/step-N/``,
-``stopped.json`` (the last stop: step, signal, timeline), ``result.json`` (a finished run;
-it never trains again), ``requeue.json`` (budgets used), ``job.json`` (the Slurm job) and
-``submission.sh`` (its batch script, as submitted).
+``submission.sh`` (the batch script, as submitted), and the records of the run's fate, each
+with its own owner in :mod:`hpc_train.records` (``result.json``, ``stopped.json``,
+``requeue.json``, ``requeue.pending``, ``job.json``, the ranks' records) or
+:mod:`hpc_train.goodput` (``goodput.json``). This module reads and writes bytes and JSON for
+them; what a record means is its owner's.
 """
 
 from __future__ import annotations
@@ -12,19 +14,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 CONFIG = "config.yaml"          # the resolved config
 SUBMISSION = "submission.sh"    # the batch script of the last `submit`, as submitted
-RESULT = "result.json"          # a finished run: it never trains again
-STOPPED = "stopped.json"        # the last stop: step, signal, timeline (node.stops.record_stop)
 LOGS = "logs"                   # rank-R.log, rank-R.error, the heartbeats
 METRICS = "metrics.jsonl"       # one line per logged step (rank 0)
 TB = "tb"                       # TensorBoard events
-GOODPUT = "goodput.json"        # where the wall time went (goodput.Ledger)
-REQUEUE = "requeue.json"        # requeues per cause (requeue)
-REQUEUE_PENDING = "requeue.pending"   # a stop's request, for the batch shell's hook
-JOB = "job.json"                # the Slurm jobs of this run (login.scheduler)
 SUBMITIT = "submitit"           # submitit's own folder
 SWEEP_MANIFEST = "sweep.json"   # a sweep directory's tasks (login.sweep)
 CHECKPOINTS = "checkpoints"     # step-N/ directories (ckpt.store)
@@ -38,6 +33,8 @@ RESUME_ENV = "HPC_TRAIN_RESUME"          # latest (default), none, or a checkpoi
 LAUNCHER_ENV = "HPC_TRAIN_LAUNCHER"      # "local": started by `run`, which holds the lock
 LAUNCHED_AT_ENV = "HPC_TRAIN_LAUNCHED_AT"   # the local launcher's start (goodput's first submit)
 LOCK_HELD_ENV = "HPC_TRAIN_LOCK_HELD"    # the pid of this job's process that holds the lock
+ATTEMPT_ENV = "HPC_TRAIN_ATTEMPT"        # the batch script's job step in its allocation: 1, 2, ...
+BATCH_START_ENV = "HPC_TRAIN_BATCH_START"   # when the batch shell started (its job's own saves are newer)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -81,10 +78,6 @@ def remove_record(path: Path) -> None:
         logging.getLogger("hpc_train").warning("could not remove %s: %s", path, e.strerror or e)
 
 
-def write_json(path: Path, obj: Any) -> None:
-    write_atomic(Path(path), json.dumps(obj, indent=2, default=str))
-
-
 def rank_log(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / LOGS / f"rank-{rank}.log"
 
@@ -94,7 +87,6 @@ def rank_error(run_dir: Path, rank: int) -> Path:
 
 
 LOCK = ".lock"
-HEARTBEAT_DIR = ".heartbeat"
 
 
 class RunDirLock:
@@ -134,8 +126,12 @@ class RunDirLock:
         return self
 
     def holder(self) -> str:
-        h, _ = read_json(self.path)
-        if h is None or "pid" not in h or "host" not in h:
+        text, _ = read_text(self.path)
+        try:
+            h = json.loads(text or "")
+        except ValueError:
+            h = None
+        if not isinstance(h, dict) or "pid" not in h or "host" not in h:
             return "another process"
         return f"{h.get('what', 'a run')} (pid {h['pid']} on host {h['host']})"
 
@@ -144,10 +140,6 @@ class RunDirLock:
         if self.fd is not None:
             os.close(self.fd)       # closing drops the flock
             self.fd = None
-
-
-def heartbeat_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / LOGS / HEARTBEAT_DIR / f"rank-{rank}"
 
 
 def check_path(path: Path | str, what: str) -> None:
@@ -246,30 +238,6 @@ def read_text(path: Path) -> tuple[str | None, str | None]:
     finally:
         os.close(fd)
     return raw.decode("utf-8", errors="replace"), None
-
-
-_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
-               bool: "true/false", type(None): "null"}
-
-
-def read_json(path: Path, expect: type = dict) -> tuple[Any, str | None]:
-    """A JSON record of the run directory, taking whatever bytes are there: (value, None) when it
-    parses and is an ``expect``; (None, None) when it does not exist; else (None, what is wrong:
-    empty, not JSON, the wrong type, a directory in its place...). Every reader of a run
-    directory's records goes through here, so none of them can raise on a damaged one; each
-    checks its own fields."""
-    text, problem = read_text(Path(path))
-    if text is None:
-        return None, problem
-    if not text.strip():
-        return None, "is empty"
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None, "is not valid JSON"
-    if not isinstance(value, expect) or (expect is not bool and isinstance(value, bool)):
-        return None, f"holds {_TYPE_NAMES.get(type(value), type(value).__name__)}, not {_TYPE_NAMES.get(expect, expect.__name__)}"
-    return value, None
 
 
 def damaged_name(path: Path) -> Path:

@@ -29,7 +29,8 @@ def _script(tmp_path: Path, *sets: str, launcher: str = "srun") -> tuple[str, Pa
     return out.read_text(), rd
 
 
-def _job(tmp_path: Path, script: str, fails: int, restart_count: int = 0, first: str = "") -> subprocess.CompletedProcess:
+def _job(tmp_path: Path, script: str, fails: int, restart_count: int = 0, first: str = "",
+         nodes: str = "node1") -> subprocess.CompletedProcess:
     """Run the batch script as Slurm would; its ``srun`` fails ``fails`` times in this job, then
     finishes the run (writes result.json). Every call is counted in ``srun.calls``. ``first``:
     shell run instead by the first call."""
@@ -43,7 +44,7 @@ def _job(tmp_path: Path, script: str, fails: int, restart_count: int = 0, first:
             + (f'if [ "$n" -eq 1 ]; then {first} fi; ' if first else "")
             + f'if [ "$n" -le {fails} ]; then return 1; fi; echo "{{}}" > "$RUN_DIR/result.json"; }}\n')
     (tmp_path / "srun.calls").unlink(missing_ok=True)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": nodes,
            "SLURM_RESTART_COUNT": str(restart_count), "SLURM_JOB_START_TIME": "1"}
     return subprocess.run(["bash", "-c", srun + script], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120, env=env)
@@ -106,19 +107,18 @@ def test_a_rank_that_died_is_a_failure_even_when_the_others_took_srun_s_sigterm_
     """srun --kill-on-bad-exit ends the surviving ranks with SIGTERM, which they take for a
     preemption: rank 0 asks for a requeue. The hook sees that rank 1 of that step never said its
     work ended (its heartbeat record), withdraws the request, and restarts the step in place.
-    The fake srun leaves the records a real step leaves: rank 0's requeue request (written by the
-    same function rank 0 calls) and both ranks' heartbeat records."""
-    script, rd = _script(tmp_path)
-    records = ("import sys; from pathlib import Path; from hpc_train import requeue, rundir; "
-               "rd = Path(sys.argv[1]); hb = rd / 'logs' / '.heartbeat'; hb.mkdir(parents=True, exist_ok=True); "
-               "rundir.write_json(hb / 'rank-0', {'host': 'n1', 'pid': 1, 'launch': 'step0', 'ended': 'stopped'}); "
-               "rundir.write_json(hb / 'rank-1', {'host': 'n2', 'pid': 2, 'launch': 'step0'}); "
-               "requeue.request(rd, 'preemption', '7', 0, {'preemption': -1}, 0)")
+    The fake srun leaves the records a real step leaves, through the functions the ranks call:
+    both ranks' records (rank 0's saying it stopped) and rank 0's stop request."""
+    script, rd = _script(tmp_path, "job.nodes=2")
+    records = ("import sys; from pathlib import Path; from hpc_train.records import ranks, requeue; "
+               "rd = Path(sys.argv[1]); ranks.begin(rd, 0, 2); ranks.begin(rd, 1, 2); ranks.say(rd, 0, ended='stopped'); "
+               "s = ranks.StepId.from_env(); "
+               "requeue.write_pending(rd, requeue.Pending('7', 0, 'TERM', None, s.job, s.restart, s.attempt))")
     first_call = f'{shlex.quote(sys.executable)} -c "{records}" "$RUN_DIR"; return 1; '
-    job = _job(tmp_path, script, fails=0, first=first_call)
+    job = _job(tmp_path, script, fails=0, first=first_call, nodes="node[1-2]")
     assert job.returncode == 0, job.stderr
     assert _calls(tmp_path, "srun").strip() == "2" and _calls(tmp_path, "scontrol") == "", job.stderr
-    assert "not a preemption: rank 1 failed and srun ended the other ranks" in job.stderr, job.stderr
+    assert "not a stop: rank 1 failed and srun ended the other ranks" in job.stderr, job.stderr
     rec = json.loads((rd / "requeue.json").read_text())
     assert rec["counts"]["preemption"] == 0 and rec["events"] == [] and len(rec["in_place"]) == 1, rec
     assert not (rd / "requeue.pending").exists()
@@ -131,7 +131,7 @@ def _nodes_job(tmp_path: Path, script: str, now: str, states: str) -> subprocess
     srun's node arguments (before ``--kill-on-bad-exit``) go to ``srun.calls``, a line per step."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("squeue", now), ("sinfo", states.replace(" ", "\\n"))):
+    for name, text in (("squeue", f"2026-01-01T00:00:00|UNLIMITED|{now}"), ("sinfo", states.replace(" ", "\\n"))):
         (bin_dir / name).write_text(f"#!/bin/sh\nprintf '{text}\\n'\n")
         (bin_dir / name).chmod(0o755)
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.calls\n")
@@ -174,26 +174,6 @@ def test_below_min_nodes_the_failure_goes_to_the_requeue(tmp_path):
     assert len(_calls(tmp_path, "srun").splitlines()) == 1, job.stderr      # no second step
     assert _calls(tmp_path, "scontrol").split() == ["requeue", "7"]
     assert "1 of the allocation's 3 nodes are up" in job.stderr and "job.min_nodes=2" in job.stderr, job.stderr
-
-
-def test_a_crashed_rank_moves_to_the_spare_but_keeps_its_node_without_one(tmp_path):
-    """No node lost: the node where the failed rank ran comes last, so a spare replaces it; with
-    no spare it is used again (it is up)."""
-    from hpc_train.config import JobSection
-    from hpc_train.login.nodes import next_step
-    env = {"SLURM_JOB_NODELIST": "node[1-3]"}
-    up = {f"node{i}": "allocated" for i in (1, 2, 3)}
-    spare, _ = next_step(JobSection(nodes=2, spare_nodes=1), env, {"node2"}, 2, ["node1", "node2", "node3"], up)
-    assert spare.nodes == ["node1", "node3"] and spare.lost == []
-    kept, _ = next_step(JobSection(nodes=3, min_nodes=2), env, {"node2"}, 3, ["node1", "node2", "node3"], up)
-    assert kept.nodes == ["node1", "node3", "node2"]
-    # Every rank failed (rank 0 lost its peer): the batch shell's node keeps rank 0.
-    batch = {**env, "SLURMD_NODENAME": "node1"}
-    moved, _ = next_step(JobSection(nodes=2, spare_nodes=1), batch, {"node1", "node2"}, 2,
-                         ["node1", "node2", "node3"], up)
-    assert moved.nodes == ["node1", "node3"]
-    none, why = next_step(JobSection(nodes=3, spare_nodes=0, min_nodes=3), {}, set(), 3, [], {})
-    assert none is None and "SLURM_JOB_NODELIST" in why
 
 
 @pytest.mark.parametrize("sets,field", [

@@ -1,7 +1,9 @@
-"""The package's shape, checked on its source: modules of at most 400 lines, and every run-directory
-file name and ``HPC_TRAIN_*`` variable spelled in ``hpc_train/rundir.py`` alone (code elsewhere
-uses its constants, so a renamed file cannot drift apart between a writer and its readers).
-The import layers are checked by import-linter (``lint-imports``, in ``make test``)."""
+"""The package's shape, checked on its source: modules of at most 400 lines; every run-directory
+file name and ``HPC_TRAIN_*`` variable spelled in ``hpc_train/rundir.py`` alone, except each
+record's name, spelled in its owner alone (code elsewhere uses their constants, so a renamed
+file cannot drift apart between a writer and its readers); and each record's JSON read and
+written by its owner alone. The import layers are checked by import-linter (``lint-imports``,
+in ``make test``), which also keeps ``hpc_train.records.io`` out of reach of non-owners."""
 
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train import rundir
+from hpc_train import goodput, rundir
+from hpc_train.records import jobs, ranks, requeue, result, stop
 
 PKG = Path(rundir.__file__).resolve().parent
 MODULES = sorted(p for p in PKG.rglob("*.py"))
-# Every name rundir.py defines for a file, a folder or a variable of a run directory.
-NAMES = {v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str) and v}
+# Each record's name, and the one module that owns it.
+OWNED = {requeue.NAME: requeue, requeue.PENDING: requeue, ranks.DIR: ranks, stop.NAME: stop, result.NAME: result,
+         jobs.NAME: jobs, goodput.FILE: goodput}
+# Every name rundir.py defines for a file, a folder or a variable of a run directory, and the records'.
+NAMES = {v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str) and v} | set(OWNED)
 
 
 def _literals(path: Path) -> list[tuple[int, str]]:
@@ -36,7 +42,8 @@ def _literals(path: Path) -> list[tuple[int, str]]:
 
 
 def test_the_check_sees_the_names():
-    assert {"result.json", "stopped.json", "config.yaml", "HPC_TRAIN_RESUME", "HPC_TRAIN_RUN_DIR"} <= NAMES
+    assert {"result.json", "stopped.json", "requeue.json", "requeue.pending", "job.json", "goodput.json",
+            "config.yaml", "HPC_TRAIN_RESUME", "HPC_TRAIN_RUN_DIR", "HPC_TRAIN_ATTEMPT"} <= NAMES
     assert len(MODULES) > 30
 
 
@@ -46,6 +53,36 @@ def test_module_is_at_most_400_lines(path):
 
 
 @pytest.mark.parametrize("path", [p for p in MODULES if p.name != "rundir.py"], ids=lambda p: str(p.relative_to(PKG)))
-def test_run_directory_names_live_in_rundir(path):
-    found = _literals(path)
-    assert not found, f"spelled outside rundir.py (use its constants): {found}"
+def test_run_directory_names_live_in_rundir_or_their_owner(path):
+    found = [(line, v) for line, v in _literals(path) if Path(OWNED[v].__file__).resolve() != path.resolve()
+             ] if path.resolve() in OWNERS else _literals(path)
+    assert not found, f"spelled outside rundir.py and the record's owner (use their constants): {found}"
+
+
+OWNERS = {Path(m.__file__).resolve() for m in OWNED.values()}
+JSON_IO = ("read_json", "write_json", "json.loads", "json.load", "json.dump")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_a_record_is_read_and_written_by_its_owner_alone(path):
+    """Outside the records' owners, no code names a record's file and no code that reads or
+    writes JSON names one either: a module that needs a record asks its owner."""
+    if path.resolve() in OWNERS or path.parent.name == "records":
+        return
+    text = path.read_text()
+    named = [name for name in OWNED if f'"{name}"' in text or f"'{name}'" in text]
+    assert not named, f"{path.name} spells the record name(s) {named}; use the owner's functions"
+    for mod in OWNED.values():
+        stem = mod.__name__.rsplit(".", 1)[-1]
+        assert f"{stem}.NAME)" not in text.replace(" ", "") or not any(k in text for k in JSON_IO), (
+            f"{path.name} reads or writes JSON and builds the path of {mod.__name__}'s record itself")
+
+
+def test_every_record_has_one_reader_and_one_writer():
+    """grep, as the issue asks: a record's JSON is parsed (io.read_json) and written
+    (io.write_json or write_atomic) only in its owner module."""
+    import re
+    for mod in {*OWNED.values()}:
+        src = Path(mod.__file__).read_text()
+        assert re.search(r"read_json\(", src), f"{mod.__name__} has no reader"
+        assert re.search(r"write_json\(|write_atomic\(", src), f"{mod.__name__} has no writer"

@@ -25,7 +25,7 @@ HOSTILE_NAME = "a{{config_yaml}}b{{run_dir}}c{{setup}}$(touch {m}name)"
 
 
 def _prelude(script: str) -> str:
-    """The script up to the training step's loop (see hpc_train.login.hook.LOOP_START):
+    """The script up to the training step's loop (see hpc_train.login.batch.Loop):
     directives, config heredoc, setup, exports."""
     head, sep, _ = script.partition("\nwhile :; do\n")
     assert sep, script
@@ -56,9 +56,9 @@ def test_sbatch_script_is_rendered_in_one_pass_and_runs_nothing_it_was_given(tmp
     # The job name is one quoted word on its line, with the placeholder text still in it.
     line = next(ln for ln in script.splitlines() if ln.startswith("#SBATCH --job-name="))
     assert shlex.split(line.split("=", 1)[1]) == [name]
-    # The config travelled through the heredoc unchanged.
+    # The config travelled through the heredoc unchanged (rank 0 checks it and writes config.yaml).
     import yaml
-    written = yaml.safe_load((rd / "config.yaml").read_text())
+    written = yaml.safe_load((rd / "logs" / ".job-config-7.yaml").read_text())
     assert written["job"]["name"] == name and written["data"]["root"] == root
 
 

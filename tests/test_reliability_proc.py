@@ -42,7 +42,8 @@ def _alive(pid: int) -> bool:
 
 
 def _worker_pid(run_dir: Path, rank: int) -> int:
-    hb = rundir.heartbeat_path(run_dir, rank)
+    from hpc_train.records import ranks
+    hb = ranks.path(run_dir, rank)
 
     def written() -> bool:
         try:

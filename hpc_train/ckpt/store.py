@@ -44,6 +44,7 @@ from hpc_train import rundir
 from hpc_train.ckpt import checksum
 from hpc_train.ckpt.checksum import file_checksum  # noqa: F401 - part of this module's API
 from hpc_train.errors import UsageError
+from hpc_train.records import result
 
 COMMIT = rundir.COMMIT
 METADATA = ".metadata"
@@ -201,7 +202,7 @@ def moved_aside(run_dir: Path) -> list[Path]:
 
 
 def is_finished(run_dir: Path) -> bool:
-    return (Path(run_dir) / rundir.RESULT).exists()
+    return result.finished(Path(run_dir))
 
 
 @dataclass
@@ -246,7 +247,7 @@ def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn
         if infos:
             ckpt_root(run_dir).rename(aside)
         if is_finished(run_dir):
-            (run_dir / rundir.RESULT).rename(run_dir / f"result.old-{stamp}.json")
+            result.move_aside(run_dir, stamp)
         return ResumePlan(None, moved_aside=aside if infos else None)
     if mode != "latest":
         path = Path(mode)

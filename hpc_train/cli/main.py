@@ -123,11 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("env", help="print this process's derived rank/world/rendezvous (srun it to debug)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--port", action="store_true", help="only the rendezvous port this job's ranks use (for a "
+                   "batch script that starts torchrun itself)")
 
     p = sub.add_parser("requeue-hook", help="(internal) run by batch scripts after srun: issue the requeue")
     p.add_argument("run_dir")
     p.add_argument("status", type=int)
     p.add_argument("--tasks-per-node", type=int, default=1, help="srun tasks per node of a step")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node of a step (default: --tasks-per-node; torchrun starts several per task)")
+    p.add_argument("--config", default=None, help="the job's config (default: RUN_DIR/config.yaml)")
 
     p = sub.add_parser("worker", help="(internal) one task's entry point, started by run/srun")
     p.add_argument("--config", required=True)
@@ -141,7 +146,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
+    import os
+
     from hpc_train.node import environment
+    if args.port:   # the one formula (environment.derive_port), also in a batch shell that is no task
+        print(environment.derive_port(os.environ, os.environ.get("SLURM_JOB_ID")))
+        return 0
     env = environment.current()
     if args.json:
         print(env.to_json())
@@ -170,7 +180,6 @@ def check_backend(cfg) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hpc_train import config as config_mod
     from hpc_train import rundir
     from hpc_train.launch import local as launch
     if args.nproc < 1:
@@ -186,36 +195,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     port = launch.rendezvous_port()   # a bad MASTER_PORT fails here, before anything is written
     run_dir = cfg.resolved_run_dir().absolute()
     cfg.run_dir = str(run_dir)
-    rundir.check_path(run_dir, "the run directory")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"--run-dir {run_dir} is a file, not a directory")
-    # One run per directory, before anything in it is touched (a second run would resume from
-    # this one's checkpoints and move its newer saves aside). A directory that does not exist yet
-    # holds nothing to protect: it is made, and locked, only once the checks below pass.
+    # One run per directory, held for the run (a second run would resume from this one's
+    # checkpoints and move its newer saves aside).
     lock = rundir.RunDirLock(run_dir, f"`python -m hpc_train run` ({args.nproc} processes)")
-    if run_dir.exists():
-        lock.acquire()
     try:
-        from hpc_train.ckpt import compat
-        from hpc_train.ckpt import store as resume
+        from hpc_train.ckpt.prelaunch import prelaunch
+        from hpc_train.trainer.signature import expected
 
         def warn(m: str) -> None:
             print(f"hpc_train: warning: {m}", file=sys.stderr)
-        if args.resume != "none":
-            compat.check_resume_changes(run_dir, cfg, warn)
-        # Refuses bad resumes before anything is written; names any checkpoint it skips.
-        from hpc_train.trainer.signature import expected
-        plan = resume.plan(run_dir, args.resume, expected(cfg), warn=warn)
+        plan = prelaunch(run_dir, cfg, args.resume, warn=warn, signature=expected(cfg), lock=lock)
         if plan.finished:
             from hpc_train.node.session import finished_line, finished_result
             print(finished_line(run_dir, finished_result(run_dir) or {}, "`--resume none`"), file=sys.stderr)
             return 0
-        if lock.fd is None:
-            lock.acquire()
-        path = config_mod.write(cfg, run_dir)
         print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
               f"{plan.describe(_own_code(cfg))}", file=sys.stderr)
-        return launch.launch(args.nproc, path, run_dir, resume=plan.env_value(), port=port,
+        return launch.launch(args.nproc, run_dir / rundir.CONFIG, run_dir, resume=plan.env_value(), port=port,
                              hang_s=cfg.dist.timeout_s, lock_fd=lock.fd, script=bool(cfg.train.script))
     finally:
         lock.release()

@@ -175,7 +175,7 @@ def _failed(run_dir: Path, rank: int, code: int | None) -> bool:
     """A worker that exited non-zero, or with 0 but without saying its work ended (it left
     early: ``os._exit(0)``, a ``sys.exit(0)`` deep in a library)."""
     from hpc_train.node.watchdog import ended
-    return code is not None and (code != 0 or ended(run_dir, rank) is None)
+    return code is not None and (code != 0 or ended(run_dir, rank, this_launch=False) is None)
 
 
 def _culprit(run_dir: Path, ranks: list[tuple[int, int]]) -> int:
@@ -209,10 +209,11 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     the run ends. ``lock_fd``: the run directory's lock, held by every worker too. ``script``: the
     workers run a ``--script`` (a stop reaches it as SIGTERM; the message says so)."""
     from hpc_train.node import watchdog
-    # An earlier launch's error files and heartbeat records (which say how each rank ended) are not this one's.
-    for stale in [*(run_dir / rundir.LOGS).glob("rank-*.error"),
-                  *(run_dir / rundir.LOGS / rundir.HEARTBEAT_DIR).glob("rank-*")]:
+    from hpc_train.records import ranks
+    # An earlier launch's error files and rank records (which say how each rank ended) are not this one's.
+    for stale in (run_dir / rundir.LOGS).glob("rank-*.error"):
         stale.unlink()
+    ranks.clear(run_dir)
     started = time.time()
     try:
         procs = _spawn(nproc, config_path, run_dir, resume, rendezvous_port() if port is None else port, lock_fd)
@@ -287,20 +288,19 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         print(f"hpc_train: worker rank {rank} failed ({how}): {_first_error(run_dir, rank, code)}\n"
               f"hpc_train: full log: {rundir.rank_log(run_dir, rank)}", file=sys.stderr)
         return 1
-    stopped = run_dir / rundir.STOPPED
-    ended_by_stop = failed is None and stopped.exists() and stopped.stat().st_mtime >= started and \
-        not (run_dir / rundir.RESULT).exists()
+    from hpc_train.records import result, stop
+    rec, written = stop.written_since(run_dir, started)
+    ended_by_stop = failed is None and written and not result.finished(run_dir)
     if interrupts["n"] or ended_by_stop:
         # A stop that did not come through this launcher (a SIGTERM sent to one worker, a
         # request_stop() in the code) ends the run unfinished too: say so, and exit non-zero.
         if ended_by_stop:
-            from hpc_train.rundir import read_json
-            rec = read_json(stopped)[0] or {}   # damaged: said as a stop without its details
-            if rec.get("checkpoint"):
-                print(f"hpc_train: checkpoint saved at step {rec.get('steps')}; run the same command to resume",
+            # A damaged record is said as a stop without its details.
+            if rec is not None and rec.checkpoint:
+                print(f"hpc_train: checkpoint saved at step {rec.steps}; run the same command to resume",
                       file=sys.stderr)
-            elif rec.get("steps") is not None:
-                print(f"hpc_train: stopped at step {rec['steps']} with checkpoints disabled; nothing was saved",
+            elif rec is not None and rec.steps is not None:
+                print(f"hpc_train: stopped at step {rec.steps} with checkpoints disabled; nothing was saved",
                       file=sys.stderr)
             else:
                 print("hpc_train: stopped before the code reached a step boundary (run.step_end), so hpc_train saved "

@@ -125,7 +125,8 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         return {"stopped": True, "exit_code": code}
     if code != 0:
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
-        msg = (f"rank {env.rank} on {os.uname().nodename}: {script} {_how(code)}; its last lines:\n{last}")
+        from hpc_train.records.ranks import node_name
+        msg = f"rank {env.rank} on {node_name()}: {script} {_how(code)}; its last lines:\n{last}"
         rundir.write_atomic(rundir.rank_error(rd, env.rank), msg + "\n")
         log.error("%s", msg)
         raise ScriptFailed(msg)
@@ -133,23 +134,22 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     # The run is finished when every rank's script is: rank 0 writes result.json only then. Were
     # it written when rank 0's own script ended, a rank failing later would leave a failed run
     # marked finished, and every rerun and requeue would do nothing.
-    if env.rank == 0 and _all_finished(timeout_s, env, rd, stop) and not (rd / rundir.RESULT).exists():
-        rundir.write_json(rd / rundir.RESULT, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
-                                               "wall_seconds": time.time() - started})
+    from hpc_train.records import result
+    if env.rank == 0 and _all_finished(timeout_s, env, rd, stop) and not result.finished(rd):
+        result.write(rd, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
+                          "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
 
 
 def _stop_recorded_since(rd: Path, since: float, wait_s: float = 0.0) -> bool:
     """A stop record with a checkpoint, written since ``since`` (by the script's own Run; only its
     rank 0 writes it, so another rank's supervisor may wait for it a moment)."""
+    from hpc_train.records import stop
     deadline = time.time() + wait_s
     while True:
-        path = rd / rundir.STOPPED
-        try:
-            if path.stat().st_mtime >= since and (rundir.read_json(path)[0] or {}).get("checkpoint"):
-                return True
-        except OSError:
-            pass
+        rec, _ = stop.written_since(rd, since)
+        if rec is not None and rec.checkpoint:
+            return True
         if time.time() >= deadline:
             return False
         time.sleep(0.1)
@@ -159,11 +159,11 @@ def _all_finished(timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest) -
     """Rank 0, its own script done: wait until every rank said how its script ended; True when
     all finished. A rank that fails ends this wait from outside (the local launcher's SIGTERM,
     ``srun --kill-on-bad-exit``); one that goes silent, its heartbeat stale, fails it here."""
-    me, since = watchdog.launch_id(), time.time()
+    since = time.time()
     limit = watchdog.limit_for(timeout_s)
     logged = False
     while True:
-        ends = {r: watchdog.ended(rd, r, me) for r in range(env.world_size)}
+        ends = {r: watchdog.ended(rd, r) for r in range(env.world_size)}
         waiting = [r for r, how in ends.items() if how is None]
         if not waiting:
             return all(how == "finished" for how in ends.values())

@@ -30,12 +30,14 @@ log = logging.getLogger("hpc_train")
 
 def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
                target: Callable[..., Any] | None = None, args: tuple = (), kwargs: dict | None = None,
-               leaving: bool = False) -> Any:
+               leaving: bool = False, prelaunch: bool = False) -> Any:
     """Run this process's share of the job: the built-in trainer, ``train.fn``, ``target(*args,
     **kwargs)`` or, under supervision, ``train.script``. Returns the trainer's result dict (the
     same on every rank) or the callable's return value. ``leaving``: the caller ends the process
     through :func:`exit_done` or :func:`exit_now`, so the process group is left for the exit to
-    release (see :func:`hpc_train.node.group.shutdown`)."""
+    release (see :func:`hpc_train.node.group.shutdown`). ``prelaunch``: no launcher prepared the
+    run directory (a plain sbatch script's job step, whose config travels in the script): rank 0
+    runs the pre-launch sequence before anything trains."""
     if isinstance(cfg, dict):
         cfg = config_mod.from_dict(cfg)
     rd = Path(run_dir) if run_dir else cfg.resolved_run_dir()
@@ -46,8 +48,12 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
         session.claim(s, lock=env.rank == 0 and not session.launcher_holds_lock())
         if s.finished is not None:
             # A finished run never trains again, whether requeued or resubmitted.
-            log.info("%s holds a finished run (%s); not training again", rd, rundir.RESULT)
+            log.info("%s holds a finished run (result.json); not training again", rd)
             return s.finished
+        if prelaunch and env.rank == 0:
+            from hpc_train.trainer.signature import expected
+            session.prelaunch(s, os.environ.get(rundir.RESUME_ENV, "latest"),
+                              expected(cfg) if not (cfg.train.script or cfg.train.fn or target) else None)
         if script:
             from hpc_train.launch.supervise import supervise
             out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, env, rd, s.stop)
@@ -71,7 +77,9 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
             pass    # the disk that failed may be this one; the console line below still says it
         if line is not None:
             log.error("rank %d: %s", env.rank, line)
-        elif not isinstance(e, (KeyboardInterrupt, UsageError)):
+        elif isinstance(e, UsageError):    # refused (a busy run directory, a changed model): one line
+            log.error("refused: %s", e)
+        elif not isinstance(e, KeyboardInterrupt):
             log.error("rank %d failed:\n%s", env.rank, traceback.format_exc())
         raise
     finally:
@@ -196,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir")
     args = ap.parse_args(argv)
     cfg = config_mod.load(args.config)
+    rd = Path(args.run_dir or os.path.dirname(os.path.abspath(args.config)))
+    # A config from outside the run directory (a plain sbatch script's own copy) is not the
+    # run's yet: rank 0 checks it against the checkpoints' and writes it.
+    outside = Path(args.config).absolute() != (rd / rundir.CONFIG).absolute()
     try:
-        run_worker(cfg, args.run_dir or os.path.dirname(os.path.abspath(args.config)), leaving=True)
+        run_worker(cfg, rd, leaving=True, prelaunch=outside)
     except BaseException as e:  # noqa: BLE001 - the error is already in the rank's log and error file
         exit_now(130 if isinstance(e, KeyboardInterrupt) else 2 if isinstance(e, UsageError) else 1)
     exit_done(0)   # a stop is a clean exit too: the launcher or the batch shell decides what follows

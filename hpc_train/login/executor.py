@@ -24,6 +24,7 @@ from typing import Any
 import submitit
 
 from hpc_train.config import Config
+from hpc_train.login.batch import version
 
 
 class Job(submitit.SlurmJob):
@@ -80,19 +81,9 @@ def _code(cfg: Config, fn: Callable[..., Any] | None, args: tuple) -> str:
     return f"hpc_train's built-in trainer (model {cfg.model.name}, data {cfg.data.name}), in every task"
 
 
-def _version() -> str:
-    # The installed metadata, not hpc_train.__version__: the package's root names the node side
-    # (init, Run), which the login side never loads.
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("hpc_train")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def header(cfg: Config, run_dir: Path, fn: Callable[..., Any] | None = None, args: tuple = ()) -> str:
     """Comment lines for the top of the batch script: what runs, where, with which config."""
-    lines = [f"hpc_train {_version()} job: python -m hpc_train status {shlex.quote(str(run_dir))}",
+    lines = [f"hpc_train {version()} job: python -m hpc_train status {shlex.quote(str(run_dir))}",
              f"runs: {_code(cfg, fn, args)}",
              f"run directory: {run_dir} (its submission.sh is this script)",
              "config (resolved; the run directory's config.yaml):",

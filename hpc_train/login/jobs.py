@@ -39,24 +39,23 @@ def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
 
 
 def _budget_line(run_dir: Path, unread: list[str]) -> str:
-    from hpc_train import requeue, rundir
-    rec, problem = rundir.read_json(run_dir / requeue.STATE)
-    counts = rec.get("counts") if rec is not None else None
-    if rec is not None and not (isinstance(counts, dict) and all(isinstance(v, int) for v in counts.values())):
-        problem = "has no counts per cause"
-    if problem is not None:
-        unread.append(f"{requeue.STATE} {problem}")
+    from hpc_train.records import requeue
+    rec = requeue.read(run_dir)
+    unread.extend(rec.problems)
+    if not (rec.events or rec.in_place):
         return ""
-    text = ", ".join(f"{k} {v}" for k, v in (counts or {}).items())
-    events = rec.get("in_place") if rec is not None else None
-    if isinstance(events, list) and events:   # restarts in the allocation (a failure each): see login.hook
-        text += f"; restarts in place: failure {len(events)} (budget used {requeue.in_place_used(rec)})"
-        for e in events:    # a lost node (see login.nodes): which, and the world size it left
-            if isinstance(e, dict) and "world_before" in e and (e.get("lost") or e["world_size"] != e["world_before"]):
-                lost = ", ".join(map(str, e.get("lost") or [])) or "no node"
-                text += f"; {lost} lost at step {e.get('step')} (world size {e.get('world_before')} -> " \
-                        f"{e.get('world_size')}, on {','.join(map(str, e.get('nodes') or []))})"
-    return f"requeues: {text}" if text else ""
+    text = ", ".join(f"{k} {v}" for k, v in rec.counts.items())
+    if rec.in_place:   # restarts in the allocation (a failure each): see login.hook
+        text += f"; restarts in place: failure {len(rec.in_place)} (budget used {rec.in_place_used()})"
+        for e in rec.in_place:    # a lost node (see login.nodes): which, and the world size it left
+            if e.world_before is not None and (e.lost or e.world_size != e.world_before):
+                lost = ", ".join(e.lost) or "no node"
+                at = "an unknown step" if e.step is None else f"step {e.step}"
+                text += (f"; {lost} lost at {at} (world size {e.world_before} -> {e.world_size}, "
+                         f"on {','.join(e.nodes or ())})")
+    if rec.final:
+        text += f"; {rec.final}"
+    return f"requeues: {text}"
 
 
 def _num(v: object) -> str:
@@ -66,6 +65,7 @@ def _num(v: object) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from hpc_train.login import sweep_report
+    from hpc_train.records import result
     if args.target is not None and sweep_report.is_sweep(Path(args.target)):
         return sweep_report.print_status(Path(args.target))
     pairs = _resolve(args.target)
@@ -89,7 +89,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             unread.append(f"job.json {problem}")
         if not ids:
             print(f"  local run: {_local_state(run_dir, unread)}")
-        elif not (run_dir / rundir.RESULT).exists():
+        elif not result.finished(run_dir):
             print(f"  if it stops: {resume_point(run_dir)}")
         problem = metrics_problem(run_dir)
         if problem is not None:
@@ -103,7 +103,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         evals = [m for m in records if "eval_acc" in m]
         if evals:
             print(f"  last eval: accuracy {_num(evals[-1]['eval_acc'])} at step {evals[-1]['step']}")
-        if (run_dir / rundir.RESULT).exists():
+        if result.finished(run_dir):
             print("  finished: result.json written")
         budget = _budget_line(run_dir, unread)
         if budget:
@@ -126,24 +126,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _local_state(run_dir: Path, unread: list[str]) -> str:
     """A run without a Slurm job: running (its lock is held), finished, stopped, or ended."""
     from hpc_train import rundir
+    from hpc_train.records import result, stop
     holder = rundir.busy(run_dir)
     if holder:
         return f"running: {holder}"
-    if (run_dir / rundir.RESULT).exists():
+    if result.finished(run_dir):
         return "finished"
-    rec, problem = rundir.read_json(run_dir / rundir.STOPPED)
-    if rec is not None:
-        steps, by = rec.get("steps"), rec.get("stop_signal")
-        if not (steps is None or (isinstance(steps, int) and not isinstance(steps, bool))):
-            problem = f"has steps {steps!r}, not a step number"
-        elif not (by is None or isinstance(by, str)):
-            problem = f"has stop_signal {by!r}, not a signal's name"
+    rec, problem = stop.read(run_dir)
     if problem is not None:
-        unread.append(f"{rundir.STOPPED} {problem}")
+        unread.append(f"{stop.NAME} {problem}")
         return f"stopped (its record is unreadable); {resume_point(run_dir)}"
     if rec is not None:
-        at = f" at step {steps}" if steps is not None else ""
-        return f"stopped{at} by {by or 'a signal'}; {resume_point(run_dir)}"
+        at = f" at step {rec.steps}" if rec.steps is not None else ""
+        return f"stopped{at} by {rec.signal}; {resume_point(run_dir)}"
     return f"not running (ended without a result: see logs/rank-*.error); {resume_point(run_dir)}"
 
 

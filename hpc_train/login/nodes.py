@@ -1,35 +1,27 @@
-"""Which nodes of the allocation the next job step runs on, after a lost node. No torch here.
+"""The job as Slurm sees it from the batch shell, and the first step's nodes. No torch here.
 
 With ``job.spare_nodes`` or ``job.min_nodes`` set, the batch script is submitted with
 ``--no-kill`` (Slurm keeps the allocation when one of its nodes fails) and asks for
-``job.nodes + job.spare_nodes`` nodes; every ``srun`` is given the nodes it runs on
-(:func:`first_step_args`, then :func:`next_step` after a failed step, through the requeue hook).
+``job.nodes + job.spare_nodes`` nodes; every ``srun`` is given the nodes it runs on: the first
+step ``job.nodes`` of them (:func:`first_step_args`), each later one the nodes the requeue hook
+chose (:mod:`hpc_train.login.decide`) from what :func:`job_view` and :func:`node_states` say.
 
-The next step's nodes: the allocation's nodes that are still the job's (``squeue``) and that
-Slurm says are up (``sinfo``), in the allocation's order. When no node was lost, those where a
-failed rank ran come last (a crashed process moves to a spare if there is one; without one, its
-healthy node is used again; the batch shell's node is never singled out: the hook runs there, and
-its rank may have failed only for losing a peer). ``job.nodes`` of them
-when there are enough (a spare replaces a lost node: same world size, same ranks), else all of
-them down to ``job.min_nodes`` (the run goes on resharded), else none: the failure goes to the
-requeue and its budget, as without either setting.
+A query that fails, times out or answers nothing is *unknown* (None, with why), never an empty
+answer: an empty list of nodes would read as "every node gone".
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Mapping
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from hpc_train import rundir
-from hpc_train.config import JobSection
+from hpc_train import nodelist as nodelist_mod
+from hpc_train.config import JobSection, time_minutes
+from hpc_train.errors import UsageError
 
-# sinfo's long state names (``%T``) of a node a step can use; a trailing flag such as "*" (not
-# responding), "~" (powered off) or "#" (powering up) or any other state (down, drained,
-# draining, fail, maint, ...) rules it out.
-_USABLE = {"allocated", "mixed", "idle", "completing"}
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")   # what goes unquoted on the srun line
 
 
@@ -50,77 +42,68 @@ def first_step_args(job: JobSection, tasks_per_node: int) -> str:
     return f"--nodes={job.nodes} --ntasks={job.nodes * tasks_per_node}"
 
 
-@dataclass
-class Step:
-    nodes: list[str]          # the next step's nodes, in order (rank 0's first)
-    lost: list[str]           # allocated nodes Slurm no longer lists as up
-    previous: int             # the failed step's node count
-
-    def args(self, tasks_per_node: int) -> str:
-        n = len(self.nodes)
-        return f"--nodes={n} --ntasks={n * tasks_per_node} --nodelist={','.join(self.nodes)}"
-
-
-def _expand(nodelist: str) -> list[str]:
-    import hostlist  # python-hostlist
+def expand(nodelist: str) -> list[str]:
+    """Slurm's compressed host list as names (none when it does not parse); names that could
+    not go unquoted on an srun line are dropped (Slurm never writes them)."""
     try:
-        return [h for h in hostlist.expand_hostlist(nodelist) if _HOST.fullmatch(h)]
-    except hostlist.BadHostlist:
+        return [h for h in nodelist_mod.expand(nodelist) if _HOST.fullmatch(h)]
+    except UsageError:
         return []
 
 
-def _ask(cmd: list[str]) -> str:
+def _ask(cmd: list[str]) -> tuple[str | None, str]:
+    """(stdout, "") or (None, why it is unknown)."""
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    except FileNotFoundError:
+        return None, f"{cmd[0]} is not on PATH"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{cmd[0]} did not answer ({type(e).__name__})"
+    if out.returncode != 0:
+        lines = [ln.strip() for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
+        return None, f"{cmd[0]} failed: {lines[-1] if lines else f'exit {out.returncode}'}"
+    if not out.stdout.strip():
+        return None, f"{cmd[0]} answered nothing"
+    return out.stdout, ""
 
 
-def allocation(job_id: str) -> list[str]:
-    """The job's nodes now (one ``squeue``): with ``--no-kill`` Slurm drops a failed node from
-    the allocation, while the batch shell's SLURM_JOB_NODELIST still names it."""
-    return _expand(_ask(["squeue", "-h", "-j", job_id, "-o", "%N"]).strip()) if job_id else []
+@dataclass(frozen=True)
+class JobView:
+    """One ``squeue`` of the job: its nominal end (start + time limit: on preemption squeue's own
+    end time moves to now + GraceTime, which would make every preemption look like the time
+    limit), and its nodes now (with ``--no-kill`` Slurm drops a failed node from the job while
+    the batch shell's SLURM_JOB_NODELIST still names it). None: unknown (``why``) or unlimited."""
+
+    nominal_end: float | None
+    nodes: tuple[str, ...] | None
+    why: str = ""
 
 
-def node_states(hosts: list[str]) -> dict[str, str]:
-    """Slurm's state of each host (one ``sinfo`` call); a host sinfo does not list is absent."""
+def job_view(job_id: str) -> JobView:
+    if not job_id:
+        return JobView(None, None, "no job id (SLURM_JOB_ID)")
+    out, why = _ask(["squeue", "-h", "-j", job_id, "-o", "%S|%l|%N"])
+    if out is None:
+        return JobView(None, None, why)
+    start, limit, nodelist = (out.strip().splitlines()[0].split("|") + ["", "", ""])[:3]
+    end = None
+    if limit.upper() not in ("UNLIMITED", "INFINITE", "NOT_SET", ""):
+        try:
+            end = time.mktime(time.strptime(start, "%Y-%m-%dT%H:%M:%S")) + 60 * time_minutes(limit)
+        except (ValueError, OverflowError):
+            end = None
+    nodes = tuple(expand(nodelist.strip())) or None
+    return JobView(end, nodes, "" if nodes else "squeue named no node of the job")
+
+
+def node_states(hosts: Sequence[str]) -> tuple[dict[str, str] | None, str]:
+    """Slurm's state of each host (one ``sinfo``), or None and why it is unknown."""
+    out, why = _ask(["sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N|%T"])
+    if out is None:
+        return None, why
     states = {}
-    for line in _ask(["sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N|%T"]).splitlines():
+    for line in out.splitlines():
         name, _, state = line.strip().partition("|")
         if name:
             states[name] = state.strip().lower()
-    return states
-
-
-def failed_hosts(run_dir: Path, ranks: list[int]) -> set[str]:
-    """The hosts where ``ranks`` ran in the last step, from their heartbeat records."""
-    hosts = set()
-    for r in ranks:
-        rec, _ = rundir.read_json(Path(run_dir) / rundir.LOGS / rundir.HEARTBEAT_DIR / f"rank-{r}")
-        if isinstance(rec, dict) and isinstance(rec.get("host"), str):
-            hosts.add(rec["host"])
-    return hosts
-
-
-def next_step(job: JobSection, env: Mapping[str, str], implicated: set[str], previous: int,
-              now: list[str] | None = None, states: Mapping[str, str] | None = None) -> tuple[Step | None, str]:
-    """The nodes for the step after a failed one, or None and why there are too few.
-    ``implicated``: hosts where the failed step's failed ranks ran; ``now`` and ``states``: the
-    job's nodes now and Slurm's node states (:func:`allocation`, :func:`node_states` when None)."""
-    hosts = _expand(env.get("SLURM_JOB_NODELIST", ""))
-    if not hosts:
-        return None, "the allocation's nodes are unknown (SLURM_JOB_NODELIST)"
-    now = allocation(env.get("SLURM_JOB_ID", "")) if now is None else now
-    states = node_states(hosts) if states is None else states
-    up = [h for h in hosts if h in now and states.get(h, "") in _USABLE]
-    lost = [h for h in hosts if h not in up]
-    # A lost node is the culprit (its peers failed too, having lost it). The batch shell's own
-    # node is up (this runs there), and its rank 0 may have failed only for losing a peer.
-    implicated = set() if lost else implicated - {env.get("SLURMD_NODENAME", "")}
-    order = [h for h in up if h not in implicated] + [h for h in up if h in implicated]
-    floor = job.min_nodes or job.nodes
-    if len(order) < floor:
-        down = ", ".join(f"{h}: {states.get(h) or 'gone'}{'' if h in now else ' (left the job)'}" for h in lost)
-        return None, (f"{len(order)} of the allocation's {len(hosts)} nodes are up ({down}), fewer than "
-                      f"{'job.min_nodes' if job.min_nodes else 'job.nodes'}={floor}")
-    return Step(order[:job.nodes], lost, previous), ""
+    return states, ""

@@ -17,18 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_train.login import hook as requeue
-from hpc_train.login import nodes, scheduler
+from hpc_train.login import scheduler
 from hpc_train.config import Config
-
-def _version() -> str:
-    # From the installed metadata, not `hpc_train.__version__`: the package's root imports the
-    # node side (init, Run), which the login side never loads.
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("hpc_train")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 TEMPLATES = Path(__file__).parent / "templates"   # slurm/templates links here
@@ -36,11 +26,6 @@ TEMPLATES = Path(__file__).parent / "templates"   # slurm/templates links here
 
 def q(value: object) -> str:
     return shlex.quote(str(value))
-
-
-def _directive(flag: str, value: object) -> str:
-    # sbatch reads #SBATCH lines itself (bash sees comments); it honours shell-style quotes.
-    return f"#SBATCH --{flag}={q(value)}"
 
 
 @dataclass
@@ -52,37 +37,21 @@ class SbatchScript:
     resume: str = "latest"
 
     def materialize(self) -> str:
+        from hpc_train.login import batch
         job = self.cfg.job
-        tasks = scheduler.tasks_per_node(job)
-        minutes = scheduler.time_minutes(job.time)
-        directives = []
-        for flag, value in (("gpus-per-node", job.gpus_per_node), ("mem", job.mem), ("partition", job.partition),
-                            ("account", job.account), ("qos", job.qos), ("constraint", job.constraint)):
-            if value:
-                directives.append(_directive(flag, value))
-        if job.exclusive:
-            directives.append("#SBATCH --exclusive")
-        if nodes.guards_nodes(job):     # the allocation outlives a lost node (login.nodes)
-            directives.append("#SBATCH --no-kill")
-        per_srun_node = 1 if self.launcher == "torchrun" else tasks
+        loop = batch.Loop(job, self.launcher, q(sys.executable), config_expr='"$JOB_CONFIG"')
         config_yaml = self.cfg.to_yaml().rstrip("\n")
         eof = "END_OF_CONFIG_" + secrets.token_hex(4).upper()
         while eof in config_yaml:   # the heredoc must not end early
             eof = "END_OF_CONFIG_" + secrets.token_hex(4).upper()
-        # torchrun forwards SIGTERM to its workers but dies of USR1/USR2; it gets TERM.
-        signal = "TERM" if self.launcher == "torchrun" else job.signal
         values = {
-            "version": _version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": (self.command or "(Python API)").replace("\n", "\\n").replace("\r", "\\r"), "job_name": q(job.name),
-            "nodes": str(nodes.allocated_nodes(job)),
-            "tasks_per_node": str(tasks), "cpus_per_task": str(job.cpus_per_task),
-            "cpus_per_node": str(job.cpus_per_task * tasks), "nproc_per_node": str(tasks),
-            "time": str(minutes), "signal": signal, "signal_lead": str(job.signal_lead),
-            "output": q(f"{self.run_dir}/slurm-%j.out"), "directives": "\n".join(directives),
+            "version": batch.version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": (self.command or "(Python API)").replace("\n", "\\n").replace("\r", "\\r"),
+            "directives": "\n".join(batch.directives(batch.options(job, self.launcher))),
+            "nproc_per_node": str(loop.ranks), "output": q(batch.filename_pattern(self.run_dir) + "/slurm-%j.out"),
             "run_dir": q(self.run_dir), "config_yaml": config_yaml, "eof": eof,
             "setup": "\n".join(job.setup), "python": q(sys.executable), "resume": q(self.resume),
-            "before_loop": "\n".join(requeue.before_loop_lines(job, per_srun_node)),
-            "after": "\n".join(requeue.after_srun_lines(q(sys.executable), per_srun_node)),
+            "loop": "\n".join([*loop.before(), *loop.start()]), "after": "\n".join(loop.after()),
         }
         return render((TEMPLATES / f"{self.launcher}.sbatch").read_text(), values)
 

@@ -8,7 +8,6 @@ backs off. No torch here.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -18,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_train import rundir
 from hpc_train.config import JobSection, time_minutes
-from hpc_train.rundir import read_json, set_aside, write_atomic
+from hpc_train.records import jobs
 from hpc_train.errors import UsageError, closest
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -97,38 +95,20 @@ def tasks_per_node(job: JobSection) -> int:
     return job.tasks_per_node or max(1, job.gpus_per_node)
 
 
-# -- the run directory's record of its jobs ------------------------------------------------
-def _job_record(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """job.json, checked: (record, None), (None, None) when absent, (None, what is wrong)."""
-    rec, problem = read_json(Path(run_dir) / rundir.JOB)
-    if rec is not None:
-        jobs = rec.get("jobs")
-        if not isinstance(jobs, list) or not all(isinstance(j, dict) and isinstance(j.get("job_id"), str)
-                                                 for j in jobs):
-            return None, "has no list of jobs with a job_id each"
-    return rec, problem
-
-
+# -- the run directory's record of its jobs (hpc_train.records.jobs) -------------------------
 def record_job(run_dir: Path, job_id: str, how: str, **extra: Any) -> None:
-    path = Path(run_dir) / rundir.JOB
-    rec, problem = _job_record(run_dir)
-    if problem is not None:    # the job is submitted by now: keep the damaged record, start a new one
-        set_aside(path, problem, lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr))
-    rec = rec or {"jobs": []}
-    rec["jobs"].append({"job_id": job_id, "submitted": time.time(), "via": how, **extra})
-    write_atomic(path, json.dumps(rec, indent=2))
+    jobs.append(Path(run_dir), job_id, how, lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr), **extra)
 
 
 def job_ids(run_dir: Path) -> list[str]:
     """The run directory's jobs, oldest first; none when job.json is absent or damaged (see
     :func:`job_problem`)."""
-    rec, _ = _job_record(run_dir)
-    return [j["job_id"] for j in rec["jobs"]] if rec else []
+    return [e.job_id for e in jobs.read(Path(run_dir))[0]]
 
 
 def job_problem(run_dir: Path) -> str | None:
     """What is wrong with the run directory's job.json, if it exists and is damaged."""
-    return _job_record(run_dir)[1]
+    return jobs.read(Path(run_dir))[1]
 
 
 # -- batched queries -----------------------------------------------------------------------

@@ -25,8 +25,7 @@ from typing import Any
 import shlex
 
 from hpc_train import rundir
-from hpc_train.login import hook as requeue
-from hpc_train.requeue import requested
+from hpc_train.records.requeue import pending_exists as requested
 from hpc_train.login import nodes, scheduler
 from hpc_train.config import Config, load
 from hpc_train.errors import UsageError
@@ -77,46 +76,55 @@ class SlurmEntry:
         return result
 
 
-def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str = ""):
-    """submitit's executor for this job (see :mod:`hpc_train.login.executor`); ``header``: comment
-    lines put at the top of its batch script (:func:`hpc_train.login.executor.header`)."""
-    from hpc_train.login import executor
+def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str = "",
+                  run_dir_lines: list[str] | None = None):
+    """submitit's executor for this job (see :mod:`hpc_train.login.executor`), its batch script
+    made of the same parts as the standalone ones (:mod:`hpc_train.login.batch`); ``header``:
+    comment lines put at its top (:func:`hpc_train.login.executor.header`); ``run_dir_lines``:
+    shell lines that set ``RUN_DIR`` for the hook (default: ``run_dir``; a sweep's array task
+    reads its own)."""
+    from hpc_train.login import batch, executor
 
     job = cfg.job
     ex = (executor.DryRunExecutor if dry_run else executor.Executor)(folder=str(run_dir / rundir.SUBMITIT),
                                                                       max_num_timeout=10**6)
     ex.header = header
-    tasks = scheduler.tasks_per_node(job)
+    opts = batch.options(job)
+    loop = batch.Loop(job)
     # submitit quotes its srun line; a step's nodes after a lost node reach it through a shell
     # function named srun, which the batch shell calls instead of the program (login.nodes).
     step = ['srun() { command srun $step_nodes "$@"; }'] if nodes.guards_nodes(job) else []
     params: dict[str, Any] = dict(
-        job_name=job.name, nodes=nodes.allocated_nodes(job), ntasks_per_node=tasks,
-        cpus_per_task=job.cpus_per_task, time=scheduler.time_minutes(job.time), signal_delay_s=job.signal_lead,
-        # The srun line runs in a loop (a failed step is restarted in place: see login.hook).
-        setup=list(job.setup) + [f"export SRUN_CPUS_PER_TASK={job.cpus_per_task}",
-                                 *requeue.before_loop_lines(job, tasks), *step, requeue.LOOP_START],
-        # submitit writes --signal=$SUBMITIT_PREEMPT_SIGNAL@lead, reading that variable when it is
-        # imported (so setting it here would be too late, and would leak into the caller's
-        # environment). The job's own signal goes in as an sbatch parameter, which wins.
-        additional_parameters={"requeue": True, "open-mode": "append", "signal": f"{job.signal}@{job.signal_lead}"},
+        job_name=opts.pop("job-name"), nodes=opts.pop("nodes"), ntasks_per_node=opts.pop("ntasks-per-node"),
+        cpus_per_task=opts.pop("cpus-per-task"), time=opts.pop("time"), signal_delay_s=job.signal_lead,
+        # The srun line runs in the loop (a failed step is restarted in place: see login.hook).
+        setup=[*job.setup, *loop.before(), *step, *loop.start()],
         # One dead task ends the step (so the others do not wait on it for a collective timeout).
         srun_args=["--kill-on-bad-exit=1"],
-        # After srun: the one requeue, from the batch shell (see hpc_train.login.requeue).
-        teardown=["status=$?", f"RUN_DIR={shlex.quote(str(run_dir))}",
-                  *requeue.after_srun_lines(shlex.quote(sys.executable), tasks), 'exit "$status"'],
+        # After srun: the hook, from the batch shell (see hpc_train.login.hook).
+        teardown=["status=$?", *(run_dir_lines or [f"RUN_DIR={shlex.quote(str(run_dir))}"]), *loop.after(),
+                  'exit "$status"'],
     )
-    if nodes.guards_nodes(job):
-        params["additional_parameters"]["no-kill"] = True
-    for key in ("partition", "account", "qos", "constraint", "mem"):
-        if getattr(job, key):
-            params[key] = getattr(job, key)
-    if job.gpus_per_node:
-        params["gpus_per_node"] = job.gpus_per_node
-    if job.exclusive:
-        params["exclusive"] = True
+    # submitit writes --signal=$SUBMITIT_PREEMPT_SIGNAL@lead, reading that variable when it is
+    # imported (so setting it here would be too late, and would leak into the caller's
+    # environment). The job's own signal goes in with the other options, which win.
+    for key in ("partition", "account", "qos", "constraint", "mem", "exclusive"):
+        if key in opts:
+            params[key] = opts.pop(key)
+    if "gpus-per-node" in opts:
+        params["gpus_per_node"] = opts.pop("gpus-per-node")
+    params["additional_parameters"] = opts     # signal, requeue, open-mode, no-kill
     ex.update_parameters(**params)
     return ex
+
+
+def check_folder(rd: Path) -> None:
+    """submitit puts its logs under the run directory with Slurm filename patterns (``%j``) that
+    it also reads back as plain paths, so a ``%`` in the path cannot be escaped for both: refused."""
+    if "%" in str(rd):
+        raise UsageError(f"the run directory {rd} contains '%', which Slurm reads as a filename pattern in "
+                         f"submitit's log paths; choose a path without '%' (or use `python -m hpc_train sbatch`, "
+                         f"whose script escapes it)")
 
 
 def dry_run_text(ex) -> str:
@@ -152,26 +160,20 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
     else:
         cfg = load(target, list(overrides), extra)
     rd = Path(run_dir or cfg.resolved_run_dir()).absolute()
-    from hpc_train import rundir
-    rundir.check_path(rd, "the run directory")
-    if rd.exists() and not rd.is_dir():
-        raise UsageError(f"the run directory {rd} is a file, not a directory")
+    cfg.run_dir = str(rd)
+    check_folder(rd)
     if rd.is_dir():   # busy with a local run or a running job's rank 0: refused, nothing submitted
         rundir.RunDirLock(rd, "a submission").acquire().release()
         _refuse_active_job(rd)
-    cfg.run_dir = str(rd)
     scheduler.check_resources(cfg.job)
-    from hpc_train.ckpt import store as resume_mod
-    if resume != "none":
-        from hpc_train.ckpt.compat import check_resume_changes
-        check_resume_changes(rd, cfg, lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr))
+    from hpc_train.ckpt.prelaunch import prelaunch
     from hpc_train.trainer.signature import expected
-    plan = resume_mod.plan(rd, resume, expected(cfg) if fn is None else None)
+    # Only checked, not held: the job's rank 0 takes the lock when it starts.
+    plan = prelaunch(rd, cfg, resume, warn=lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr),
+                     signature=expected(cfg) if fn is None else None, lock=rundir.RunDirLock(rd, "a submission"),
+                     hold=False)
     if plan.finished:
         raise UsageError(f"{rd} holds a finished run (result.json); use another --run-dir to train again")
-    rd.mkdir(parents=True, exist_ok=True)
-    from hpc_train import config as config_mod
-    config_mod.write(cfg, rd)
     from hpc_train.login.executor import header
     ex = make_executor(cfg, rd, header=header(cfg, rd, fn, args))
     entry = SlurmEntry(cfg.to_dict(), str(rd), fn, args, resume=plan.env_value())
@@ -189,6 +191,10 @@ def refusal(rd: Path, resume: str = "latest") -> str | None:
     from hpc_train.ckpt import store
     if rd.exists() and not rd.is_dir():
         return f"the run directory {rd} is a file, not a directory"
+    try:
+        check_folder(rd)
+    except UsageError as e:
+        return str(e)
     if not rd.is_dir():
         return None
     holder = rundir.busy(rd)

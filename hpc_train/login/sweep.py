@@ -30,13 +30,11 @@ import itertools
 import json
 import re
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from hpc_train import rundir
-from hpc_train.login import hook as requeue
 from hpc_train.login import scheduler
 from hpc_train.config import Config
 from hpc_train.login.sweep_report import MANIFEST, is_sweep, read_manifest
@@ -171,13 +169,11 @@ def configs(args: argparse.Namespace, points: list[dict[str, Any]], source: str,
 # -- submission ----------------------------------------------------------------------------
 def _executor(cfg: Config, sweep_dir: Path, map_file: Path, parallelism: int, dry_run: bool = False):
     from hpc_train.login.submission import make_executor
-    ex = make_executor(cfg, sweep_dir, dry_run=dry_run)
     # The batch shell's requeue hook must look at this task's run dir: line INDEX+1 of the map.
     # A one-task submission is a plain job (submitit submits no array of one): index 0.
-    ex.update_parameters(array_parallelism=parallelism, teardown=[
-        "status=$?",
-        f'RUN_DIR=$(sed -n "$((${{SLURM_ARRAY_TASK_ID:-0}} + 1))p" {shlex.quote(str(map_file))})',
-        *requeue.after_srun_lines(shlex.quote(sys.executable), scheduler.tasks_per_node(cfg.job)), 'exit "$status"'])
+    ex = make_executor(cfg, sweep_dir, dry_run=dry_run, run_dir_lines=[
+        f'RUN_DIR=$(sed -n "$((${{SLURM_ARRAY_TASK_ID:-0}} + 1))p" {shlex.quote(str(map_file))})'])
+    ex.update_parameters(array_parallelism=parallelism)
     return ex
 
 
@@ -210,8 +206,10 @@ def _check_cluster(cfg: Config, n: int) -> None:
 
 def submit(args: argparse.Namespace, cfg: Config, sweep_dir: Path) -> int:
     """``submit --sweep``: validate every point, then one array job; ``--dry-run`` prints it."""
+    from hpc_train.login.submission import check_folder
     from hpc_train.rundir import check_path
     check_path(sweep_dir, "the sweep directory")
+    check_folder(sweep_dir)
     source, points = from_args(args.sweep)
     cfgs = configs(args, points, source, sweep_dir)
     if args.array_parallelism < 1:

@@ -22,7 +22,7 @@ from typing import Any
 from hpc_train import rundir
 from hpc_train.login import scheduler
 from hpc_train.errors import UsageError
-from hpc_train.rundir import RESULT
+from hpc_train.records import result as result_record
 
 # Ended without finishing: what --resubmit-failed takes. A PREEMPTED that is final was not requeued.
 UNFINISHED_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -52,7 +52,7 @@ MANIFEST = rundir.SWEEP_MANIFEST
 
 def read_manifest(sweep_dir: Path) -> dict[str, Any]:
     path = Path(sweep_dir) / MANIFEST
-    from hpc_train.rundir import read_json
+    from hpc_train.records.io import read_json
     rec, problem = read_json(path)
     if rec is None and problem is None:
         raise UsageError(f"{sweep_dir} is not a sweep directory (no {MANIFEST}); give the --run-dir of a sweep")
@@ -111,11 +111,8 @@ def _latest(run_dir: Path, metric: str, tail: bool) -> tuple[int | None, float |
     recs = _records(run_dir, tail)
     step = next((r["step"] for r in reversed(recs) if isinstance(r.get("step"), int)), None)
     value = None
-    try:
-        result = json.loads((run_dir / RESULT).read_text())
-        value = result.get(metric) if isinstance(result, dict) else None
-    except (OSError, ValueError):
-        pass
+    done, _ = result_record.read(run_dir)
+    value = done.get(metric) if done else None
     if not isinstance(value, (int, float)):
         value = next((r[metric] for r in reversed(recs) if isinstance(r.get(metric), (int, float))), None)
     return step, value
@@ -143,7 +140,7 @@ def task_rows(manifest: dict[str, Any], metric: str = "loss", tail: bool = True,
         run_dir = Path(t["run_dir"])
         job = t["jobs"][-1] if t.get("jobs") else ""
         st = states.get(job)
-        finished = (run_dir / RESULT).exists()
+        finished = result_record.finished(run_dir)
         step, value = _latest(run_dir, metric, tail)
         state = _state(st, finished) if ask_scheduler else ("COMPLETED" if finished else "UNFINISHED")
         rows.append(TaskRow(t["index"], " ".join(f"{k}={v}" for k, v in t["overrides"].items()), str(run_dir),

@@ -28,6 +28,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hpc_train import nodelist as nodelist_mod
 from hpc_train import rundir
 from hpc_train.errors import UsageError, show
 
@@ -100,16 +101,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None, lo: int 
 
 def expand_hostlist(nodelist: str) -> list[str]:
     """Slurm's compressed host list (``gpu[001-004,010],login-a``) as a list of names."""
-    import hostlist  # python-hostlist: pure Python, handles several bracket groups and padding
-
-    try:
-        hosts = hostlist.expand_hostlist(nodelist)
-    except hostlist.BadHostlist as e:
-        raise UsageError(f"environment: cannot parse the Slurm node list {show(nodelist)}: {e}") from None
-    if not hosts:   # ',' expands to nothing, and hosts[0] is the rendezvous address
-        raise UsageError(f"environment: the Slurm node list {show(nodelist)} names no host; Slurm writes e.g. "
-                         f"node[1-4],gpu01")
-    return hosts
+    return nodelist_mod.expand(nodelist)
 
 
 # The expanded list is built in memory: a corrupt repeat count must fail, not allocate terabytes.

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from hpc_train.errors import RendezvousError
 from hpc_train.config import DistSection
 from hpc_train.node.environment import NodeEnv
+from hpc_train.records.ranks import node_name
 
 log = logging.getLogger("hpc_train")
 
@@ -71,7 +72,7 @@ def _store(env: NodeEnv, timeout: timedelta) -> dist.Store:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         waited = time.monotonic() - t0
         if env.rank == 0 and "address already in use" in str(e).lower():
-            raise RendezvousError(f"rank 0 cannot listen on port {env.master_port} on {socket.gethostname()}: it is "
+            raise RendezvousError(f"rank 0 cannot listen on port {env.master_port} on {node_name()}: it is "
                                   f"already in use (another job or a leftover process); set MASTER_PORT to a free "
                                   f"port") from None
         raise RendezvousError(

@@ -36,6 +36,8 @@ from hpc_train.logs import setup_logging
 from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.stops import StopRequest, stop_signals
+from hpc_train.records import result as result_record
+from hpc_train.records import stop as stop_record
 
 log = logging.getLogger("hpc_train")
 
@@ -68,7 +70,7 @@ class Session:
         self._closed = True
         try:
             if self.is_main and finished:
-                rundir.remove_record(self.run_dir / rundir.STOPPED)
+                stop_record.remove(self.run_dir)
             if self.is_main and record_goodput:
                 goodput.record_segment(self.run_dir, self.started)
         finally:
@@ -78,14 +80,13 @@ class Session:
 def finished_result(run_dir: Path) -> dict[str, Any] | None:
     """The record of a finished run, or None. A damaged ``result.json`` still means finished
     (only a finished run writes it): its content is then unknown."""
-    rec, problem = rundir.read_json(Path(run_dir) / rundir.RESULT)
-    return {} if problem is not None else rec
+    return result_record.read(Path(run_dir))[0]
 
 
 def finished_line(run_dir: Path, result: dict[str, Any], how_to_restart: str) -> str:
-    steps = result.get("steps")
-    at = f" at step {steps}" if isinstance(steps, int) and not isinstance(steps, bool) else ""
-    return (f"hpc_train: run {run_dir} finished{at} (a finished run: {rundir.RESULT}); nothing to do. "
+    steps = result_record.steps(result)
+    at = f" at step {steps}" if steps is not None else ""
+    return (f"hpc_train: run {run_dir} finished{at} (a finished run: {result_record.NAME}); nothing to do. "
             f"{how_to_restart} starts over")
 
 
@@ -127,13 +128,22 @@ def claim(session: Session, *, lock: bool) -> None:
         s.finished = finished_result(s.run_dir)
         if s.finished is not None:
             return
-        res.callback(watchdog.Heartbeat(s.run_dir, env.rank).start().stop)
+        res.callback(watchdog.Heartbeat(s.run_dir, env.rank, env.world_size).start().stop)
         step = os.environ.get("SLURM_STEP_ID")
         if s.own_process and env.rank == 0 and env.job_id and step is not None and env.world_size > 1:
             watchdog.watch_slurm_job(s.run_dir, env.world_size, s.cfg.dist.timeout_s, f"{env.job_id}.{step}")
     except BaseException:
         res.close()
         raise
+
+
+def prelaunch(s: Session, resume: str, signature: dict[str, Any] | None = None) -> None:
+    """Rank 0, its lock held, where no launcher of hpc_train's prepared the run directory (a
+    user's own program, a plain sbatch script's job step): the pre-launch sequence
+    (:mod:`hpc_train.ckpt.prelaunch`). Raises :class:`UsageError` for a refused config."""
+    from hpc_train.ckpt.prelaunch import prelaunch as sequence
+    sequence(s.run_dir, s.cfg, resume, warn=log.warning, signature=signature, verify=False,
+             requeued=s.env.restart_count > 0)
 
 
 def launcher_holds_lock() -> bool:

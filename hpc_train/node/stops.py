@@ -255,20 +255,19 @@ def _first(fut):
     return fut.value()[0]
 
 
-def record_stop(job: Any, env: Any, run_dir: Path, stop: StopRequest, step: int | None, checkpoint: bool) -> dict[str, Any] | None:
+def record_stop(job: Any, env: Any, run_dir: Path, stop: StopRequest, step: int | None, checkpoint: bool):
     """Rank 0 at a stop: the one writer of ``stopped.json``, and of the requeue request under
     Slurm (``job``: the config's job section). ``step`` is None and ``checkpoint`` False when
     the code never acted on the stop (a plain script, or code that never called
     ``run.step_end``): hpc_train saved nothing, and the code resumes from what it saved itself."""
     if env.rank != 0:
         return None
-    from hpc_train import rundir
-    rec: dict[str, Any] = {"stopped": True, "steps": step, "stop_signal": stop.name,
-                           "stop_received_at": stop.received_at,
-                           "checkpoint_committed_at": time.time() if checkpoint else None, "checkpoint": checkpoint}
+    from hpc_train.records import stop as stop_record
+    line = at = None
     if env.job_id:
         from hpc_train.requeue import request_for_stop
-        rec["requeue"] = request_for_stop(job, env, run_dir, step or 0, stop)
-        rec["requeue_requested_at"] = time.time()
-    rundir.write_json(Path(run_dir) / rundir.STOPPED, rec)
+        line, at = request_for_stop(job, env, run_dir, step, stop), time.time()
+    rec = stop_record.StopRecord(step, stop.name, stop.received_at, checkpoint,
+                                 time.time() if checkpoint else None, line, at)
+    stop_record.write(Path(run_dir), rec)
     return rec

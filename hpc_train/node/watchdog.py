@@ -2,7 +2,8 @@
 
 A collective timeout says only that *some* peer is missing, and every survivor reports it, so the
 culprit goes unnamed (NCCL's maintainers: there is no such feature; pytorch #118369). Here every
-task runs a daemon thread that touches ``logs/.heartbeat/rank-R`` every :data:`BEAT_S` seconds.
+task runs a daemon thread that touches its record (``logs/.heartbeat/rank-R``, :mod:`hpc_train.records.ranks`)
+every :data:`BEAT_S` seconds.
 The thread beats while the main thread computes, reads a checkpoint or waits in a collective
 (those release the GIL), so a slow rank is never blamed; a rank that is stopped (SIGSTOP), frozen
 in the kernel, or stuck holding the GIL stops beating. The watcher, the local ``run`` launcher or
@@ -14,7 +15,6 @@ and ends the run; on Slurm that is a ``failure``, requeued within its budget.
 from __future__ import annotations
 
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpc_train import rundir
+from hpc_train.records import ranks
+from hpc_train.records.ranks import StepId
 
 log = logging.getLogger("hpc_train")
 BEAT_S = 2.0
@@ -42,14 +44,16 @@ os.register_at_fork(before=_beat_lock.acquire, after_in_parent=_beat_lock.releas
 
 
 class Heartbeat:
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        self.path = rundir.heartbeat_path(run_dir, rank)
+    """This rank's record (:mod:`hpc_train.records.ranks`), touched every :data:`BEAT_S` s."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int | None = None) -> None:
+        self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
+        self.path = ranks.path(run_dir, rank)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="hpc_train-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        _write_record(self.path)
+        ranks.begin(self.run_dir, self.rank, self.world_size)
         self._thread.start()
         return self
 
@@ -57,7 +61,7 @@ class Heartbeat:
         while not self._stop.wait(BEAT_S):
             with _beat_lock:
                 try:
-                    os.utime(self.path)
+                    ranks.touch(self.path)
                 except OSError:      # a full or vanished disk must not kill the task from here
                     pass
 
@@ -65,91 +69,69 @@ class Heartbeat:
         self._stop.set()
 
 
-def _write_record(path: Path, **extra: str) -> None:
-    """A heartbeat file's content: who beats it (for :func:`holder`), in which launch, and any
-    word it leaves (a later word keeps the earlier ones)."""
-    old = _read_path(path) if extra else {}
-    rundir.write_json(path, {**old, "host": socket.gethostname(), "pid": os.getpid(), "launch": launch_id(), **extra})
-
-
 def launch_id() -> str:
     """The same string on every rank of one launch, and another on the next launch (a requeue, a
     restart, the next ``run``): a record left by an earlier launch is never taken for this one's."""
-    keys = (rundir.LAUNCHED_AT_ENV, "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT",
-            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
-    return "/".join(os.environ.get(k, "") for k in keys)
+    return StepId.from_env().launch
 
 
 def say_ended(run_dir: Path, rank: int, how: str) -> None:
     """This rank's work ended as it should (``how``: finished, stopped, returned) and its exit
     follows. A rank that exits, even with code 0, without having said so left early: the launcher
     and a script's rank 0 take that as a failure (see :func:`ended`)."""
-    _write_record(rundir.heartbeat_path(run_dir, rank), ended=how)
+    ranks.say(run_dir, rank, ended=how)
 
 
-def ended(run_dir: Path, rank: int, launch: str | None = None) -> str | None:
-    """How ``rank`` said its work ended (:func:`say_ended`), in ``launch`` if given; None: not (yet)."""
-    rec = _read_record(run_dir, rank)
-    if launch is not None and rec.get("launch") != launch:
-        return None
-    how = rec.get("ended")
-    return how if isinstance(how, str) else None
+def _of_this_launch(run_dir: Path, rank: int) -> ranks.RankRecord | None:
+    rec, _ = ranks.read(run_dir, rank)
+    return rec if rec is not None and StepId.from_env().holds(rec) else None
 
 
-def _read_record(run_dir: Path, rank: int) -> dict:
-    """A rank's heartbeat record; {} when it is missing or unreadable."""
-    return _read_path(rundir.heartbeat_path(run_dir, rank))
-
-
-def _read_path(path: Path) -> dict:
-    try:
-        h = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return h if isinstance(h, dict) else {}
+def ended(run_dir: Path, rank: int, this_launch: bool = True) -> str | None:
+    """How ``rank`` said its work ended (:func:`say_ended`), in this process's launch unless
+    ``this_launch`` is False (the local launcher, which cleared older records itself); None: not
+    (yet)."""
+    rec = _of_this_launch(run_dir, rank) if this_launch else ranks.read(run_dir, rank)[0]
+    return rec.ended if rec is not None else None
 
 
 def say_left_for_stop(run_dir: Path, rank: int) -> None:
-    """Before this rank leaves code that a stop ended: say so in its heartbeat file, so that a
-    peer whose collective then fails (this rank's exit closed it) can tell that from a crash
-    (:func:`peer_left_for_stop`). The next start rewrites the file."""
+    """Before this rank leaves code that a stop ended: say so in its record, so that a peer
+    whose collective then fails (this rank's exit closed it) can tell that from a crash
+    (:func:`peer_left_for_stop`). The next start rewrites the record."""
     try:
-        _write_record(rundir.heartbeat_path(run_dir, rank), left="stop")
+        ranks.say(run_dir, rank, left="stop")
     except OSError:
         pass    # the peer then reports a lost peer: a failure, the safe side
 
 
 def peer_left_for_stop(run_dir: Path, world_size: int, rank: int) -> bool:
-    return any(_read_record(run_dir, r).get("left") == "stop" for r in range(world_size) if r != rank)
+    return any((rec := _of_this_launch(run_dir, r)) is not None and rec.left == "stop"
+               for r in range(world_size) if r != rank)
 
 
 def lost_peer(run_dir: Path, world_size: int, rank: int, wait_s: float = 3 * BEAT_S) -> str | None:
     """Which peer this rank lost, for the one line that reports a failed collective: a peer of
     this launch whose process is gone (on this host), or whose heartbeat stopped (elsewhere);
     waits up to ``wait_s`` for a dead peer's heartbeat to go stale. None when none is found."""
-    me = launch_id()
     deadline = time.time() + wait_s
     while True:
         now = time.time()
         for r in range(world_size):
-            h = _read_record(run_dir, r)
-            if r == rank or h.get("launch") != me or h.get("left") == "stop" or "ended" in h:
+            h = _of_this_launch(run_dir, r)
+            if r == rank or h is None or h.said_its_end:
                 continue
-            host, pid = holder(run_dir, r)
-            if host == socket.gethostname() and pid is not None:
+            if h.host == socket.gethostname() and h.pid is not None:
                 try:
-                    os.kill(pid, 0)
+                    os.kill(h.pid, 0)
                 except ProcessLookupError:
-                    return f"rank {r} (pid {pid} on {host}) exited"
+                    return f"rank {r} (pid {h.pid} on {h.node}) exited"
                 except OSError:
                     pass
                 continue
-            try:
-                age = now - rundir.heartbeat_path(run_dir, r).stat().st_mtime
-            except OSError:
-                continue
-            if age > 2 * BEAT_S + 1:
-                return f"rank {r} (pid {pid} on {host}) stopped beating {age:.0f}s ago"
+            age = ranks.age(run_dir, r, now)
+            if age is not None and age > 2 * BEAT_S + 1:
+                return f"rank {r} (pid {h.pid} on {h.node}) stopped beating {age:.0f}s ago"
         if now >= deadline:
             return None
         time.sleep(0.2)
@@ -197,23 +179,19 @@ def limit_for(timeout_s: float) -> float:
 
 
 def holder(run_dir: Path, rank: int) -> tuple[str, int | None]:
-    h = _read_record(run_dir, rank)
-    try:
-        return str(h["host"]), int(h["pid"])
-    except (ValueError, KeyError, TypeError):
-        return "unknown host", None
+    """Where rank ``rank`` runs (its node, as Slurm names it) and its pid, from its record."""
+    rec, _ = ranks.read(run_dir, rank)
+    return (rec.node, rec.pid) if rec is not None else ("unknown host", None)
 
 
-def stale(run_dir: Path, ranks: list[int], limit_s: float, since: float) -> tuple[int, float] | None:
+def stale(run_dir: Path, rank_list: list[int], limit_s: float, since: float) -> tuple[int, float] | None:
     """The rank whose heartbeat is oldest, if older than ``limit_s``; a rank that has not
     written one yet counts from ``since`` (its start)."""
     now = time.time()
     worst: tuple[int, float] | None = None
-    for r in ranks:
-        try:
-            age = now - max(rundir.heartbeat_path(run_dir, r).stat().st_mtime, since)
-        except OSError:
-            age = now - since
+    for r in rank_list:
+        beat = ranks.age(run_dir, r, now)
+        age = now - since if beat is None else min(beat, now - since)
         if age > limit_s and (worst is None or age > worst[1]):
             worst = (r, age)
     return worst

@@ -51,9 +51,10 @@ def test_spent_preemption_budget_stops_without_a_requeue(slurm, tmp_path):
     _wait_steps(run_dir, 50, 180)
     slurm.preempt_all()
     final = slurm.wait_done(job, 180)
-    assert final != "COMPLETED", final                         # it did not finish
     runs = slurm.sacct(job)
     assert len(runs) == 1, runs                                 # never requeued
+    # Ended unfinished, by the hook's own exit code for a stop that is not requeued (errors.EXIT_STOPPED).
+    assert final.split()[0] == "FAILED" and runs[0]["ExitCode"] == "3:0", (final, runs)
     rec = json.loads((run_dir / "requeue.json").read_text())
     assert "preemption budget (0) spent, not requeued" in rec["final"], rec
     assert rec["counts"]["preemption"] == 0, rec

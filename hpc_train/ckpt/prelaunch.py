@@ -1,0 +1,72 @@
+"""The one sequence before a run trains, on every path. No torch here.
+
+``run`` (before it starts its processes), ``submit`` and sweeps (before anything is queued),
+``hpc_train.init()`` in a user's own program, and rank 0 of a plain ``sbatch`` script's job step
+(whose config travels inside the script) all call :func:`prelaunch`:
+
+1. the run directory: a path no batch script can carry, or a file in its place, is refused;
+2. its lock (when the caller asks: ``run`` holds it for the run, ``submit`` only checks that no
+   run holds it, ``init()`` and the job step took it already);
+3. the config is compared with the one the run's checkpoints were made with: a change that
+   cannot apply to them (another model, optimizer, strategy) is refused before anything
+   trains, so a changed model is never trained over its old checkpoints;
+4. the resume plan (:func:`hpc_train.ckpt.store.plan`): what to resume from, ``none`` moving
+   old checkpoints aside (never deleting them), a finished run said so;
+5. the config is written (``RUN_DIR/config.yaml``): from here on it is the run's.
+
+Every refusal is a :class:`~hpc_train.errors.UsageError` raised before anything in the run
+directory changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpc_train import config as config_mod
+from hpc_train import rundir
+from hpc_train.ckpt import compat, store
+from hpc_train.config import Config
+from hpc_train.errors import UsageError
+
+
+def prelaunch(run_dir: Path, cfg: Config, resume: str, *, warn: Callable[[str], None],
+              signature: dict[str, Any] | None = None, lock: rundir.RunDirLock | None = None,
+              hold: bool = True, verify: bool = True, requeued: bool = False) -> store.ResumePlan:
+    """Steps 1-5 of the module docstring; returns the plan (``plan.finished``: the run finished,
+    nothing was written). ``lock``: taken here (``hold``: kept on return, else released: a check
+    that no run holds it); None when the caller holds it. ``signature``: the model signature the
+    checkpoint must match (the built-in trainer's); ``verify``: read the chosen checkpoint's
+    checksums now; ``requeued``: a later incarnation of a job (``--resume PATH`` yields to the
+    run's own newest checkpoint)."""
+    run_dir = Path(run_dir)
+    rundir.check_path(run_dir, "the run directory")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"the run directory {run_dir} is a file, not a directory")
+    took = False
+    # A directory that does not exist yet holds nothing to protect: it is made, and locked, only
+    # once the checks pass.
+    if lock is not None and lock.fd is None and run_dir.is_dir():
+        lock.acquire()
+        took = True
+    try:
+        if resume != "none":
+            compat.check_resume_changes(run_dir, cfg, warn)
+        plan = store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
+        if plan.finished:
+            if took and not hold:
+                lock.release()
+            return plan
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if lock is not None and lock.fd is None:
+            lock.acquire()
+            took = True
+        config_mod.write(cfg, run_dir)
+    except BaseException:
+        if took:
+            lock.release()
+        raise
+    if took and not hold:
+        lock.release()
+    return plan

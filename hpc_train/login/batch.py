@@ -1,0 +1,102 @@
+"""The parts every batch script is made of, in one place: the ``#SBATCH`` options and the srun
+loop with the requeue hook after it. No torch here.
+
+Both kinds of script take them from here: the standalone ones ``sbatch`` renders from
+``templates/*.sbatch`` (:mod:`hpc_train.login.sbatch`), and submitit's, for ``submit``,
+``hpc_train.submit`` and sweeps (:mod:`hpc_train.login.submission`), which submitit writes
+around its own srun line from our options, setup and teardown lines.
+
+The loop: the batch shell runs ``srun`` once per job step; after each, the requeue hook
+(:mod:`hpc_train.login.hook`) decides. It exits :data:`~hpc_train.login.decide.AGAIN` to have the
+step started again in the allocation, and prints the next step's settings as shell assignments
+(every value shell-quoted), which the loop evaluates; any other exit code ends the job with it.
+Each step is numbered (``HPC_TRAIN_ATTEMPT``), so every rank's record names the step it is from.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Any
+
+from hpc_train.config import JobSection, time_minutes
+from hpc_train.rundir import ATTEMPT_ENV, BATCH_START_ENV
+from hpc_train.login import nodes
+from hpc_train.login.decide import AGAIN
+from hpc_train.login.scheduler import tasks_per_node
+
+
+def version() -> str:
+    """hpc_train's version, for the comments of a batch script. From the installed metadata, not
+    ``hpc_train.__version__``: the package's root imports the node side, which the login side
+    never loads."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+    try:
+        return installed("hpc_train")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def options(job: JobSection, launcher: str = "srun") -> dict[str, Any]:
+    """Every ``#SBATCH`` option of the job, by its long name (True: a flag without a value).
+    Under torchrun, one srun task per node starts the node's ranks, and gets their CPUs."""
+    ranks = tasks_per_node(job)
+    per_node = launcher == "torchrun"
+    # torchrun forwards SIGTERM to its workers but dies of USR1/USR2: it gets TERM.
+    signal = "TERM" if per_node else job.signal
+    opts: dict[str, Any] = {
+        "job-name": job.name, "nodes": nodes.allocated_nodes(job), "ntasks-per-node": 1 if per_node else ranks,
+        "cpus-per-task": job.cpus_per_task * (ranks if per_node else 1), "time": time_minutes(job.time),
+        # No "B:": the signal goes to the srun steps (the ranks), job.signal_lead s before the limit.
+        "signal": f"{signal}@{job.signal_lead}", "requeue": True, "open-mode": "append"}
+    for key in ("gpus_per_node", "mem", "partition", "account", "qos", "constraint"):
+        if getattr(job, key):
+            opts[key.replace("_", "-")] = getattr(job, key)
+    if job.exclusive:
+        opts["exclusive"] = True
+    if nodes.guards_nodes(job):     # the allocation outlives a lost node (login.nodes)
+        opts["no-kill"] = True
+    return opts
+
+
+def filename_pattern(path: object) -> str:
+    """A path for ``--output``, where Slurm reads ``%`` as the start of a replacement symbol (``%j``,
+    ``%x``...): each ``%`` of the path itself is written ``%%``."""
+    return str(path).replace("%", "%%")
+
+
+def directives(opts: dict[str, Any]) -> list[str]:
+    """``#SBATCH`` lines; sbatch honours shell-style quotes in them."""
+    return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}" for k, v in opts.items()]
+
+
+class Loop:
+    """The srun loop of one batch script: :meth:`before` and :meth:`start` go before the srun
+    line, :meth:`after` right after it (with ``status`` holding srun's exit code)."""
+
+    def __init__(self, job: JobSection, launcher: str = "srun", python: str | None = None,
+                 run_dir_expr: str = '"$RUN_DIR"', config_expr: str = "") -> None:
+        self.ranks = tasks_per_node(job)
+        self.srun_tasks = 1 if launcher == "torchrun" else self.ranks
+        self.job = job
+        self.python = python or shlex.quote(sys.executable)
+        self.run_dir_expr = run_dir_expr
+        self.config_expr = config_expr     # the job's own config file, where it is not the run's yet
+
+    def before(self) -> list[str]:
+        return [f"export SRUN_CPUS_PER_TASK={self.job.cpus_per_task * (self.ranks // self.srun_tasks)}",
+                f'export {BATCH_START_ENV}="$(date +%s)"', "attempt=0",
+                f"step_nodes={shlex.quote(nodes.first_step_args(self.job, self.srun_tasks))}"]
+
+    @staticmethod
+    def start() -> list[str]:
+        return ["while :; do", f"attempt=$((attempt + 1)); export {ATTEMPT_ENV}=$attempt"]
+
+    def after(self) -> list[str]:
+        call = (f'{self.python} -m hpc_train requeue-hook {self.run_dir_expr} "$status" '
+                f"--tasks-per-node {self.srun_tasks} --ranks-per-node {self.ranks}"
+                + (f" --config {self.config_expr}" if self.config_expr else ""))
+        # "|| hooked=$?": a batch script under set -e would end at the hook's non-zero exit.
+        return ["hooked=0", f"next=$({call}) || hooked=$?", 'status="$hooked"',
+                f'if [ "$status" -ne {AGAIN} ]; then break; fi', 'eval "$next"', "done"]

@@ -1,0 +1,257 @@
+"""What follows a job step, decided: a pure function from the gathered inputs to one decision.
+No torch, no file, no process here: :mod:`hpc_train.login.gather` reads the inputs once,
+:mod:`hpc_train.login.hook` acts. tests/test_decide.py holds the table and the invariants.
+
+The decisions, in order:
+
+* the run **finished** (``result.json``): nothing follows;
+* the step was **refused** (exit 2: a usage error, a run directory another job holds): the same
+  input fails the same way, and the run directory may be another job's, so nothing is
+  restarted, requeued or charged;
+* a **stop** (rank 0's request): the time limit's (its signal came within ``signal_lead`` + the
+  controller's tick of the job's nominal end) or a preemption's, requeued within that cause's
+  budget, else the job stops unfinished. A rank that died at the same moment does not turn it
+  into a failure, with one exception: SIGTERM while a rank of the step failed is ``srun
+  --kill-on-bad-exit`` ending the others after that rank died (the job's own signal is never
+  srun's), so it is that rank's failure;
+* a **failure** (a rank exited non-zero, died, or never wrote its record): restarted **in place**
+  while ``job.restarts_in_place`` lasts (a restart without a newer checkpoint than the last one's
+  costs 2), with time to be stopped again (never in the last ``signal_lead`` seconds) and nodes
+  to run on; else requeued within the failure budget; else the job **fails**, naming why.
+
+An in-place restart resumes from the run's own newest checkpoint once the job saved one (never
+from ``--resume PATH`` again: that would move this job's work aside and train it again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
+from hpc_train.records.ranks import RankRecord
+from hpc_train.records.requeue import Incarnation, InPlace, Pending, RequeueState
+
+AGAIN = 75              # the hook's exit code that runs srun again in the allocation (EX_TEMPFAIL)
+TICK_S = 60             # slurmctld checks time limits every 30 s: a signal may come up to a tick early
+USABLE = {"allocated", "mixed", "idle", "completing"}   # sinfo states a step can use
+
+Action = Literal["finished", "refused", "requeue", "in_place", "stop", "fail", "none"]
+
+
+@dataclass(frozen=True)
+class Budgets:
+    preemption: int      # -1: unlimited
+    timeout: int
+    failure: int
+    in_place: int
+
+    def of(self, cause: str) -> int:
+        return {"preemption": self.preemption, "timeout": self.timeout, "failure": self.failure}[cause]
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The job's node settings and Slurm's view, for a job that outlives a lost node
+    (``job.spare_nodes`` or ``job.min_nodes``). ``now`` and ``states``: None when squeue or
+    sinfo did not answer, or answered nothing: unknown, never "every node gone"."""
+
+    want: int                              # job.nodes
+    floor: int                             # job.min_nodes, else job.nodes
+    allocated: tuple[str, ...]             # the allocation, in order (SLURM_JOB_NODELIST)
+    batch_node: str                        # where the hook runs (SLURMD_NODENAME)
+    now: tuple[str, ...] | None            # the job's nodes now (squeue)
+    states: Mapping[str, str] | None       # Slurm's state of each (sinfo)
+    unknown_why: str = ""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    status: int                            # srun's exit code
+    finished: bool
+    inc: Incarnation
+    pending: Pending | None                # this step's stop request
+    pending_note: str                      # a damaged or stale request, said once
+    ranks: Mapping[int, RankRecord | None]  # every rank of the step (None: no record of this step)
+    ranks_per_node: int                    # ranks on a node of the step
+    srun_tasks_per_node: int               # srun's tasks on a node (1 under torchrun, which starts the ranks)
+    budgets: Budgets
+    history: RequeueState
+    job_signal: str
+    signal_lead: int
+    now: float
+    nominal_end: float | None              # the job's start + time limit (None: unknown or unlimited)
+    newest_step: int | None                # the newest complete checkpoint (None: none)
+    own_checkpoint: bool                   # it was saved by this job
+    resume: str                            # the job's HPC_TRAIN_RESUME
+    first_step_nodes: int                  # the first step's node count (job.nodes, or the allocation's)
+    nodes: Nodes | None                    # None: srun's defaults, no node choice
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    message: str
+    exit_code: int
+    cause: str | None = None
+    step: int | None = None
+    restart: InPlace | None = None         # the in-place entry to record
+    final: str | None = None               # the line that ends the job unrequeued
+    next_nodes: str | None = None          # srun's node arguments for the next step (None: unchanged)
+    next_resume: str | None = None         # HPC_TRAIN_RESUME for the next step
+
+
+def _step(step: int | None) -> str:
+    return "an unknown step" if step is None else f"step {step}"
+
+
+def failed_ranks(i: Inputs) -> list[int]:
+    """Ranks of the step that did not say their work ended: killed, crashed, or never started."""
+    if i.status == 0:
+        return []
+    return sorted(r for r, rec in i.ranks.items() if rec is None or not rec.said_its_end)
+
+
+def stop_cause(i: Inputs, failed: list[int]) -> str:
+    """The cause of this step's stop request: timeout, preemption, or failure (srun's SIGTERM)."""
+    p = i.pending
+    assert p is not None
+    at = p.received_at if p.received_at is not None else i.now
+    if i.nominal_end is not None and i.nominal_end - at <= i.signal_lead + TICK_S:
+        return "timeout"
+    if failed and (p.signal != i.job_signal or p.signal == "TERM"):
+        return "failure"     # srun's SIGTERM after a rank died (the job's own signal is never srun's)
+    return "preemption"
+
+
+def _limit(budget: int) -> str:
+    return "unlimited" if budget < 0 else str(budget)
+
+
+def decide(i: Inputs) -> Decision:
+    if i.finished:
+        return Decision("finished", "run finished; no requeue", 0)
+    if i.status == EXIT_USAGE:
+        return Decision("refused", "the step was refused (exit 2: see its error above); a refusal is not "
+                        "restarted, requeued or charged", EXIT_USAGE)
+    failed = failed_ranks(i)
+    if i.pending is not None:
+        cause = stop_cause(i, failed)
+        if cause != "failure":
+            return _stop(i, cause, i.pending.step)
+        note = (f"not a stop: rank {failed[0]} failed and srun ended the other ranks "
+                f"(SIG{i.pending.signal}); ")
+    elif i.status != 0:
+        note = f"rank {failed[0]} failed; " if failed else ""
+    else:
+        return Decision("none", f"{i.pending_note}no requeue requested", 0)
+    return _failure(i, i.pending_note + note, failed)
+
+
+def _stop(i: Inputs, cause: str, step: int | None) -> Decision:
+    done = i.history.asked(i.inc)
+    if done is not None and done.requeued:
+        return Decision("none", f"{i.pending_note}requeue of {i.inc.target} already done", 0)
+    budget, used = i.budgets.of(cause), i.history.count(cause)
+    if 0 <= budget <= used:
+        final = f"stopped by {cause} at {_step(step)}; {cause} budget ({budget}) spent, not requeued"
+        return Decision("stop", f"{i.pending_note}NOT requeued: {final}", EXIT_STOPPED, cause, step, final=final)
+    return Decision("requeue", f"{i.pending_note}{cause} at {_step(step)}: requeue {used + 1} of {_limit(budget)}",
+                    0, cause, step)
+
+
+def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
+    step = i.newest_step
+    why = _in_place_refusal(i)
+    where: tuple[str | None, tuple[str, ...], tuple[str, ...] | None, str] = (None, (), None, "")
+    if not why and i.nodes is not None:
+        where = _next_nodes(i, failed)
+        if where[0] is None:
+            why = where[3]
+    if not why:
+        charge = 2 if i.history.in_place and i.history.in_place[-1].step == step else 1
+        used = i.history.in_place_used()
+        if used + charge > i.budgets.in_place:
+            why = (f"in-place restarts spent ({used} of {i.budgets.in_place} used; a restart without a newer "
+                   f"checkpoint counts twice)")
+        else:
+            args, lost, chosen, node_note = where
+            before = _step_nodes(i)
+            n_before = len(before) if before else i.first_step_nodes
+            n_after = len(chosen) if chosen is not None else n_before
+            rpn = i.ranks_per_node
+            entry = InPlace(i.inc.target, i.inc.restart, step, i.now, charge, chosen, lost,
+                            n_after * rpn, n_before * rpn)
+            resume = "latest" if i.own_checkpoint or i.resume in ("latest", "none") else i.resume
+            size = f"world size {n_before * rpn} -> {n_after * rpn}: " if n_after != n_before else ""
+            return Decision("in_place", f"{note}{size}{node_note}restarting in place from {_step(step)} "
+                            f"(in-place budget: {used + charge} of {i.budgets.in_place} used"
+                            f"{'; no progress since the last restart, counted twice' if charge == 2 else ''})",
+                            AGAIN, "failure", step, restart=entry, next_nodes=args, next_resume=resume)
+    note = f"{note}{why}; "
+    done = i.history.asked(i.inc)
+    if done is not None and done.requeued:
+        return Decision("none", f"{note}requeue of {i.inc.target} already done", 0)
+    budget, used = i.budgets.failure, i.history.count("failure")
+    code = 1 if i.status in (0, AGAIN) else i.status
+    if 0 <= budget <= used:
+        final = f"stopped by failure at {_step(step)}; failure budget ({budget}) spent, not requeued"
+        return Decision("fail", f"{note}{final}", code, "failure", step, final=final)
+    return Decision("requeue", f"{note}failure at {_step(step)}: requeue {used + 1} of {_limit(budget)}", 0,
+                    "failure", step)
+
+
+def _in_place_refusal(i: Inputs) -> str:
+    if i.budgets.in_place <= 0:
+        return "not restarted in place (job.restarts_in_place=0)"
+    if i.nominal_end is not None and i.nominal_end - i.now <= i.signal_lead + TICK_S:
+        return (f"not restarted in place: the time limit is {max(0, i.nominal_end - i.now):.0f} s away, within "
+                f"job.signal_lead ({i.signal_lead} s) of it, where a new step would never get its stop signal")
+    return ""
+
+
+def _step_nodes(i: Inputs) -> tuple[str, ...] | None:
+    """The failed step's nodes: this incarnation's last restart's, else unknown (the first step's)."""
+    placed = [e for e in i.history.restarts_of(i.inc) if e.nodes is not None]
+    return placed[-1].nodes if placed else None
+
+
+def _args(nodes: tuple[str, ...], rpn_srun: int) -> str:
+    return f"--nodes={len(nodes)} --ntasks={len(nodes) * rpn_srun} --nodelist={','.join(nodes)}"
+
+
+def _next_nodes(i: Inputs, failed: list[int]) -> tuple[str | None, tuple[str, ...], tuple[str, ...] | None, str]:
+    """(srun's node arguments, nodes newly lost, the nodes chosen, a note) for the next step; the
+    arguments are None, with why in the note, when too few nodes are left."""
+    n = i.nodes
+    assert n is not None
+    before = _step_nodes(i)
+    tasks = i.srun_tasks_per_node
+    if n.now is None or n.states is None:
+        args = _args(before, tasks) if before else f"--nodes={n.want} --ntasks={n.want * tasks}"
+        return (args, (), before,
+                f"Slurm's view of the nodes is unknown ({n.unknown_why}): the next step runs where this one ran; ")
+    # A trailing flag on a state ("idle*": not responding, "idle~": powered off) rules the node out.
+    up = [h for h in n.allocated if h in n.now and n.states.get(h, "") in USABLE]
+    known_lost = {h for e in i.history.restarts_of(i.inc) for h in e.lost}
+    lost = tuple(h for h in n.allocated if h not in up and h not in known_lost)
+    step_nodes = before or tuple(n.allocated[:i.first_step_nodes])
+    implicated = set()
+    if not lost:   # a lost node is the culprit; else the nodes where a failed rank ran
+        for r in failed:
+            rec = i.ranks.get(r)
+            node = rec.node if rec is not None else (step_nodes[r // i.ranks_per_node]
+                                                      if r // i.ranks_per_node < len(step_nodes) else None)
+            if node:
+                implicated.add(node)
+        implicated.discard(n.batch_node)   # its rank 0 may have failed only for losing a peer
+    order = [h for h in up if h not in implicated] + [h for h in up if h in implicated]
+    if len(order) < n.floor:
+        down = ", ".join(f"{h}: {n.states.get(h) or 'gone'}{'' if h in n.now else ' (left the job)'}"
+                         for h in n.allocated if h not in up)
+        return (None, lost, None, f"not restarted in place: {len(order)} of the allocation's {len(n.allocated)} "
+                f"nodes are up ({down}), fewer than {'job.min_nodes' if n.floor != n.want else 'job.nodes'}={n.floor}")
+    chosen = tuple(order[:n.want])
+    note = f"{', '.join(lost)} lost at {_step(i.newest_step)}; " if lost else ""
+    return _args(chosen, tasks), lost, chosen, f"{note}next step on {','.join(chosen)}; "

@@ -1,0 +1,103 @@
+"""The requeue hook's inputs, read once: the run directory's records through their owners, the
+batch shell's environment, and Slurm's view of the job. No torch here.
+
+Everything :func:`hpc_train.login.decide.decide` needs is here and nothing is decided here.
+Each source is read once per hook call; a source that cannot be read is an input too (a
+damaged record is named and left out, a failed ``squeue`` or ``sinfo`` is "unknown").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from hpc_train import rundir
+from hpc_train.config import JobSection
+from hpc_train.login import nodes as slurm
+from hpc_train.login.decide import Budgets, Inputs, Nodes
+from hpc_train.records import ranks as ranks_rec
+from hpc_train.records import requeue as requeue_rec
+from hpc_train.records import result as result_rec
+from hpc_train.records.ranks import StepId
+from hpc_train.records.requeue import Incarnation
+
+BATCH_START_ENV = rundir.BATCH_START_ENV
+log = logging.getLogger("hpc_train")
+
+
+def target(env: Mapping[str, str]) -> str:
+    """This job as ``scontrol requeue`` must name it: an array task as ARRAYJOB_TASK, never the
+    whole array."""
+    array = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    return f"{array[0]}_{array[1]}" if all(array) else env.get("SLURM_JOB_ID", "")
+
+
+def _int(env: Mapping[str, str], key: str, default: int = 0) -> int:
+    raw = env.get(key, "")
+    return int(raw) if raw.isdigit() and len(raw) <= 18 else default
+
+
+def _job(path: Path) -> tuple[JobSection, str]:
+    """The job section of the job's config; the defaults and why, when it cannot be read."""
+    from hpc_train import config
+    from hpc_train.errors import UsageError
+    try:
+        return config.load(path).job, ""
+    except (UsageError, OSError) as e:
+        return JobSection(), f"{path.name} unreadable ({str(e).splitlines()[0][:200]}): the job's defaults apply; "
+
+
+def budgets(job: JobSection) -> Budgets:
+    return Budgets(job.requeue_preemption, job.requeue_timeout, job.requeue_failure, job.restarts_in_place)
+
+
+def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_node: int,
+           ranks_per_node: int, config: Path | None = None) -> tuple[Inputs, requeue_rec.RequeueState]:
+    """The inputs of this hook call, and the history as read (the act writes on top of it).
+    ``config``: the job's config (a standalone script's own copy), else the run's config.yaml."""
+    run_dir = Path(run_dir)
+    job, note = _job(Path(config) if config else run_dir / rundir.CONFIG)
+    inc = Incarnation(target(env), _int(env, "SLURM_RESTART_COUNT"))
+    step = StepId(env.get("SLURM_JOB_ID", ""), inc.restart, _int(env, ranks_rec.ATTEMPT_ENV))
+    history = requeue_rec.read(run_dir)
+    pending, problem = requeue_rec.read_pending(run_dir)
+    if problem is not None:
+        # Written atomically by rank 0, so only outside hands damage it; it exists only after a
+        # stop asked for a requeue: this task's own requeue is the only safe reading.
+        note += f"{requeue_rec.PENDING} {problem}: taken as this task's stop request; "
+        pending = requeue_rec.Pending(inc.target, None, "", None, step.job, step.restart, step.attempt)
+    elif pending is not None and ((pending.job, pending.restart) != (step.job, step.restart)
+                                  or 0 < pending.attempt != step.attempt > 0):
+        note += f"{requeue_rec.PENDING} is an earlier step's (job {pending.job}, attempt {pending.attempt}): ignored; "
+        pending = None
+    allocated = tuple(slurm.expand(env.get("SLURM_JOB_NODELIST", "")))
+    first = job.nodes if slurm.guards_nodes(job) else (_int(env, "SLURM_JOB_NUM_NODES") or _int(env, "SLURM_NNODES")
+                                                         or len(allocated) or job.nodes)
+    if not step.attempt:
+        # A batch script that does not count its steps (an older one, a user's own): this step
+        # is the one rank 0's record names.
+        rank0, _ = ranks_rec.read(run_dir, 0)
+        step = StepId(step.job, step.restart, 0, rank0.launch if rank0 is not None else "-")
+    placed = [e for e in history.restarts_of(inc) if e.nodes is not None]
+    world = (len(placed[-1].nodes) if placed else first) * ranks_per_node
+    view = slurm.job_view(env.get("SLURM_JOB_ID", ""))
+    node_view = None
+    if slurm.guards_nodes(job):
+        states, why = slurm.node_states(allocated) if view.nodes is not None and allocated else (None, view.why)
+        node_view = Nodes(job.nodes, job.min_nodes or job.nodes, allocated, env.get("SLURMD_NODENAME", ""),
+                          view.nodes, states, why or view.why)
+    from hpc_train.ckpt.store import newest_complete
+    newest = newest_complete(run_dir)
+    saved_at = newest.record.get("time") if newest is not None else None
+    started = _int(env, BATCH_START_ENV)
+    own = isinstance(saved_at, (int, float)) and started > 0 and saved_at >= started
+    inputs = Inputs(
+        status=status, finished=result_rec.finished(run_dir), inc=inc, pending=pending, pending_note=note,
+        ranks=ranks_rec.read_step(run_dir, step, world), ranks_per_node=ranks_per_node,
+        srun_tasks_per_node=srun_tasks_per_node, budgets=budgets(job), history=history, job_signal=job.signal,
+        signal_lead=job.signal_lead, now=time.time(), nominal_end=view.nominal_end,
+        newest_step=newest.step if newest is not None else 0, own_checkpoint=own,
+        resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view)
+    return inputs, history

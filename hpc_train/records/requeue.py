@@ -1,0 +1,251 @@
+"""``requeue.json`` and ``requeue.pending``: the run's requeues and in-place restarts. No torch.
+
+``requeue.json`` is the history the budgets are counted from, across every incarnation of the
+job: one :class:`Requeue` per stop or failure that asked to go back to the queue (``requeued``:
+whether it went), one :class:`InPlace` per job step started again inside the allocation, and
+``final``, the line of a stop whose budget was spent. Counts are never stored as the truth: a
+cause's count is the number of its requeues that went through, so no hand-edited or damaged
+count can buy budget, and no count can go negative. (The file still carries ``counts`` for a
+reader's eyes.)
+
+``requeue.pending`` is rank 0's stop request for the batch shell: the signal it got, when, and
+the step it saved; the hook decides what it was (a preemption, the time limit, srun ending the
+ranks after one died). It names the step it came from
+(:class:`~hpc_train.records.ranks.StepId`), so a request a killed batch shell never handled is
+not taken for a later step's.
+
+Only the batch shell's hook (:mod:`hpc_train.login.hook`) changes ``requeue.json``, and only
+through :func:`write` with a state built by the transitions below; rank 0 writes the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hpc_train import rundir
+from hpc_train.records import io
+from hpc_train.records import fields
+from hpc_train.records.fields import Bad
+
+NAME = "requeue.json"
+PENDING = "requeue.pending"
+CAUSES = ("preemption", "timeout", "failure")
+MAX_CHARGE = 2            # an in-place restart that made no progress counts twice
+_TARGET = re.compile(r"[0-9]{1,18}(_[0-9]{1,18})?")   # a job id, or ARRAYJOB_TASK
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """One run of the job: Slurm requeues it under the same id, and ``SLURM_RESTART_COUNT``
+    tells the runs apart. ``target`` is what ``scontrol requeue`` names (the array task)."""
+
+    target: str
+    restart: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.target}:{self.restart}"
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """A stop or failure that asked for a requeue, and whether it went back to the queue."""
+
+    key: str                  # the incarnation that asked (see Incarnation.key)
+    cause: str
+    step: int | None          # the step it had saved (None: unknown, a script's own)
+    time: float
+    requeued: bool
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """A job step started again inside the allocation after a failed one."""
+
+    job: str
+    restart: int | None       # None: written before incarnations were told apart
+    step: int | None          # the checkpoint it resumed from (None: unknown)
+    time: float
+    charge: int               # budget spent: 1, or 2 when no checkpoint was newer than the last restart's
+    nodes: tuple[str, ...] | None = None    # the next step's nodes (after a lost node)
+    lost: tuple[str, ...] = ()
+    world_size: int | None = None
+    world_before: int | None = None
+
+    def of(self, inc: Incarnation) -> bool:
+        return self.job == inc.target and self.restart == inc.restart
+
+
+@dataclass(frozen=True)
+class RequeueState:
+    events: tuple[Requeue, ...] = ()
+    in_place: tuple[InPlace, ...] = ()
+    final: str | None = None
+    requeued_at: tuple[float, ...] = ()
+    problems: tuple[str, ...] = ()     # what the reader set aside (named once; moved aside at the next write)
+    unreadable_restarts: int = 0       # in-place entries that could not be read: each costs 1
+    _aside: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def count(self, cause: str) -> int:
+        return sum(1 for e in self.events if e.requeued and e.cause == cause)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {c: self.count(c) for c in CAUSES}
+
+    def in_place_used(self) -> int:
+        """The in-place budget spent over the run (an unreadable entry costs 1, never 0)."""
+        return sum(e.charge for e in self.in_place) + self.unreadable_restarts
+
+    def restarts_of(self, inc: Incarnation) -> tuple[InPlace, ...]:
+        return tuple(e for e in self.in_place if e.of(inc))
+
+    def asked(self, inc: Incarnation) -> Requeue | None:
+        """This incarnation's requeue request, if it made one (at most one per incarnation)."""
+        return next((e for e in self.events if e.key == inc.key), None)
+
+    # -- transitions: the only ways the history changes ----------------------------------------
+    def requeued(self, inc: Incarnation, cause: str, step: int | None, now: float) -> RequeueState:
+        """``scontrol requeue`` went through for ``inc``: counted now, never before."""
+        return replace(self, events=(*self.events, Requeue(inc.key, cause, step, now, True)),
+                       requeued_at=(*self.requeued_at, now), final=None)
+
+    def not_requeued(self, inc: Incarnation, cause: str, step: int | None, now: float, final: str) -> RequeueState:
+        """A stop or failure whose budget was spent: recorded, with the line that ends the job."""
+        return replace(self, events=(*self.events, Requeue(inc.key, cause, step, now, False)), final=final)
+
+    def restarted(self, entry: InPlace) -> RequeueState:
+        return replace(self, in_place=(*self.in_place, entry))
+
+
+def path(run_dir: Path) -> Path:
+    return Path(run_dir) / NAME
+
+
+def _event(d: Any) -> Requeue:
+    if not isinstance(d, dict):
+        raise Bad(f"is {d!r}, not an object")
+    return Requeue(fields.text(d, "key"), fields.text(d, "cause", choices=CAUSES), fields.opt_count(d, "step"),
+                   fields.number(d, "time"), fields.flag(d, "requeued"))
+
+
+def _restart(d: Any) -> InPlace:
+    if not isinstance(d, dict):
+        raise Bad(f"is {d!r}, not an object")
+    nodes = fields.names(d, "nodes") if d.get("nodes") is not None else None
+    return InPlace(fields.text(d, "job"), fields.opt_count(d, "restart"), fields.opt_count(d, "step"),
+                   fields.number(d, "time"), fields.count(d, "charge", 1, lo=1, hi=MAX_CHARGE), nodes,
+                   fields.names(d, "lost"), fields.opt_count(d, "world_size", lo=1),
+                   fields.opt_count(d, "world_before", lo=1))
+
+
+def read(run_dir: Path) -> RequeueState:
+    """The history, validated. A damaged file or entry is left out and named in ``problems``
+    (and moved aside by the next :func:`write`); reading never fails and never changes a file."""
+    raw, problem = io.read_json(path(run_dir))
+    if raw is None:
+        return RequeueState(problems=(f"{NAME} {problem}",) if problem else (), _aside={"file": problem} if problem else {})
+    problems: list[str] = []
+    aside: dict[str, Any] = {}
+    lists: dict[str, list] = {}
+    for key, parse in (("events", _event), ("in_place", _restart)):
+        value = raw.get(key, [])
+        if not isinstance(value, list):
+            problems.append(f"{NAME}: {key} is {value!r}, not a list")
+            aside[key] = value
+            value = []
+        good = []
+        for i, entry in enumerate(value):
+            try:
+                good.append(parse(entry))
+            except Bad as e:
+                problems.append(f"{NAME}: {key}[{i}] {e}")
+                aside.setdefault(key, []).append(entry)
+        lists[key] = good
+    unreadable = len(aside["in_place"]) if isinstance(aside.get("in_place"), list) else int("in_place" in aside)
+    counts = raw.get("counts", {})
+    if not isinstance(counts, dict) or any(not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                           for v in counts.values()):
+        problems.append(f"{NAME}: counts {counts!r} are not counts; each cause's count is taken from its events")
+        aside["counts"] = counts
+    final = raw.get("final")
+    if final is not None and not isinstance(final, str):
+        problems.append(f"{NAME}: final is {final!r}, not a line")
+        aside["final"], final = final, None
+    at = raw.get("requeued_at", [])
+    times = [t for t in at if fields.is_int(t) or isinstance(t, float)] if isinstance(at, list) else []
+    return RequeueState(tuple(lists["events"]), tuple(lists["in_place"]), final,
+                        tuple(float(t) for t in times if t == t and abs(t) != float("inf")),
+                        tuple(problems), unreadable, aside)
+
+
+def _entry(e: Requeue | InPlace) -> dict[str, Any]:
+    d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in e.__dict__.items()}
+    return {k: v for k, v in d.items() if v is not None or k in ("step", "restart")}
+
+
+def write(run_dir: Path, state: RequeueState, warn=None) -> None:
+    """The one writer of ``requeue.json``. What the reader found damaged is first moved aside
+    (``requeue.json.damaged-<time>``, with the reader's problems), named in one line."""
+    if state._aside:
+        aside = rundir.damaged_name(path(run_dir))
+        rundir.write_atomic(aside, json.dumps({"problems": list(state.problems), "entries": state._aside},
+                                              indent=2, default=repr))
+        (warn or logging.getLogger("hpc_train").warning)(
+            f"{path(run_dir)}: {'; '.join(state.problems)}; moved to {aside.name}, and the run goes on without it")
+    rec = {"counts": state.counts, "events": [_entry(e) for e in state.events],
+           "in_place": [_entry(e) for e in state.in_place], "requeued_at": list(state.requeued_at)}
+    if state.final:
+        rec["final"] = state.final
+    rundir.write_atomic(path(run_dir), json.dumps(rec, indent=2))
+
+
+# -- requeue.pending -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pending:
+    """Rank 0's request after a stop: the batch shell's hook decides what follows."""
+
+    target: str               # this job as scontrol names it
+    step: int | None          # the checkpoint's step (None: the code saved nothing of hpc_train's)
+    signal: str               # the signal's name, e.g. USR2, TERM
+    received_at: float | None
+    job: str = ""             # the step that asked (see hpc_train.records.ranks.StepId)
+    restart: int = 0
+    attempt: int = 0
+
+
+def pending_path(run_dir: Path) -> Path:
+    return Path(run_dir) / PENDING
+
+
+def read_pending(run_dir: Path) -> tuple[Pending | None, str | None]:
+    """(request, None); (None, None) when there is none; (None, what is wrong) when damaged."""
+    raw, problem = io.read_json(pending_path(run_dir))
+    if raw is None:
+        return None, problem
+    try:
+        target = fields.text(raw, "target")
+        if not _TARGET.fullmatch(target):
+            raise Bad(f"target is {target!r}, not a Slurm job id")
+        return Pending(target, fields.opt_count(raw, "step"),
+                       fields.text(raw, "signal", ""), fields.opt_number(raw, "received_at"),
+                       fields.text(raw, "job", ""), fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0)), None
+    except Bad as e:
+        return None, str(e)
+
+
+def write_pending(run_dir: Path, p: Pending) -> None:
+    rundir.write_atomic(pending_path(run_dir), json.dumps(p.__dict__))
+
+
+def remove_pending(run_dir: Path) -> None:
+    rundir.remove_record(pending_path(run_dir))
+
+
+def pending_exists(run_dir: Path) -> bool:
+    return pending_path(run_dir).exists() or pending_path(run_dir).is_symlink()

@@ -1,0 +1,112 @@
+"""Issue 28, point 4: one renderer of batch scripts, one pre-launch sequence.
+
+Every batch script (submitit's for ``submit`` and sweeps, the standalone ``sbatch`` ones for
+srun and torchrun) is made of the same parts (:mod:`hpc_train.login.batch`); the port is
+computed in one place; a path reaching a Slurm filename pattern is escaped (or, where submitit
+reads it back, refused). A plain ``sbatch`` script's job step runs the same pre-launch sequence
+as ``run``, ``submit`` and ``init()``: a changed model is refused before it trains.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import hpc, show
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sbatch(tmp_path: Path, *sets: str, launcher: str = "srun", rd: Path | None = None) -> str:
+    out = tmp_path / f"{launcher}.sbatch"
+    p = hpc("sbatch", "jobs/digits.yaml", "--run-dir", rd or tmp_path / "run", "-o", out, "--launcher", launcher,
+            *(x for s in sets for x in ("--set", s)))
+    assert p.returncode == 0, show(p)
+    return out.read_text()
+
+
+def _loop(text: str) -> list[str]:
+    """The loop's own lines: from its counter to the hook's `done`."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("attempt=0"))
+    end = next(i for i, ln in enumerate(lines) if ln == "done")
+    # Not the lines around srun that differ by design: submitit's own srun line and its comments,
+    # and where each script takes srun's status and its run directory from.
+    return [ln for ln in lines[start:end + 1] if ln and "srun" not in ln and not ln.startswith(
+        ("#", "status=0", "status=$?", "RUN_DIR=", "export SUBMITIT_EXECUTOR"))]
+
+
+@pytest.mark.parametrize("sets", [(), ("job.nodes=2", "job.spare_nodes=1")])
+def test_submitit_s_script_and_the_standalone_one_run_the_same_loop(tmp_path, sets):
+    standalone = _sbatch(tmp_path, *sets)
+    p = hpc("submit", "jobs/digits.yaml", "--dry-run", "--run-dir", tmp_path / "run",
+            *(x for s in sets for x in ("--set", s)))
+    assert p.returncode == 0, show(p)
+    ours, theirs = _loop(standalone), _loop(p.stdout)
+    # The same lines, but for the hook's --config (the standalone script carries its own copy).
+    assert [ln.replace(' --config "$JOB_CONFIG"', "") for ln in ours] == theirs, (ours, theirs)
+    assert any("requeue-hook" in ln for ln in theirs) and 'eval "$next"' in theirs
+    for text in (standalone, p.stdout):
+        assert "--signal=USR2@90" in text and "--requeue" in text and "--open-mode=append" in text
+        assert ("--no-kill" in text) == bool(sets)
+
+
+def test_torchrun_s_port_is_the_one_hpc_train_derives(tmp_path):
+    text = _sbatch(tmp_path, launcher="torchrun")
+    assert "% 40000" not in text and "-m hpc_train env --port" in text
+    env = {**os.environ, "SLURM_JOB_ID": "123457", "PYTHONPATH": str(ROOT)}
+    env.pop("MASTER_PORT", None)
+    port = subprocess.run([sys.executable, "-m", "hpc_train", "env", "--port"], capture_output=True, text=True,
+                          env=env, check=True).stdout.strip()
+    sys.path.insert(0, str(ROOT))
+    from hpc_train.node.environment import derive_port
+    assert int(port) == derive_port({}, "123457")
+
+
+def test_a_percent_in_the_run_directory_is_escaped_for_slurm_or_refused(tmp_path):
+    rd = tmp_path / "lr 50%x"
+    text = _sbatch(tmp_path, rd=rd)
+    line = next(ln for ln in text.splitlines() if ln.startswith("#SBATCH --output="))
+    assert "50%%x/slurm-%j.out" in line, line
+    p = hpc("submit", "jobs/digits.yaml", "--dry-run", "--run-dir", rd)
+    assert p.returncode == 2 and "contains '%'" in p.stderr and "Traceback" not in p.stderr, show(p)
+
+
+def _single_task_srun(tmp_path: Path) -> str:
+    """srun as a shell function that runs the real worker as one task, as Slurm would start it."""
+    return ('srun() { while [ "${1#-}" != "$1" ]; do shift; done; '
+            'SLURM_STEP_ID=0 SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=1 '
+            'SLURM_STEP_NODELIST=node1 SLURM_TASKS_PER_NODE=1 MASTER_ADDR=127.0.0.1 "$@"; }\n')
+
+
+def test_a_plain_sbatch_script_refuses_a_changed_model_before_it_trains(tmp_path):
+    """The run's checkpoints were made with one model; a script rendered with another is refused
+    by its rank 0 before anything trains (exit 2: the hook restarts and requeues nothing), and the
+    run's config.yaml still names the model its checkpoints hold."""
+    from ckpt_helpers import run, steps, write_config
+    cfg = write_config(tmp_path / "job.yaml", {"checkpoint": {"every_steps": 1, "keep": 2}})
+    rd = tmp_path / "run"
+    first = run(cfg, rd, stop_at=2)              # stopped at step 2: the run resumes from there
+    assert first.returncode != 0 and steps(rd) == [2, 1], show(first)
+    before = (rd / "config.yaml").read_text()
+    out = tmp_path / "changed.sbatch"
+    p = hpc("sbatch", cfg, "--run-dir", rd, "-o", out, "--set", "model.hidden=64")
+    assert p.returncode == 0, show(p)
+    script = out.read_text()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.calls\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_JOB_NUM_NODES": "1", "SLURMD_NODENAME": "node1", "PYTHONPATH": str(ROOT),
+           "HOME": os.environ.get("HOME", "/root")}
+    job = subprocess.run(["bash", "-c", _single_task_srun(tmp_path) + script], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert job.returncode == 2, job.stderr[-3000:]
+    assert "model.hidden: 32 -> 64" in job.stderr, job.stderr[-3000:]
+    assert "refused" in job.stderr and not (tmp_path / "scontrol.calls").exists(), job.stderr[-3000:]
+    assert (rd / "config.yaml").read_text() == before
+    assert steps(rd) == [2, 1] and not (rd / "result.json").exists()

@@ -1,0 +1,373 @@
+"""The requeue hook's decision (:func:`hpc_train.login.decide.decide`), as a table and as
+properties. It is a pure function of typed inputs, so every case is built here as data: no
+file, no process, no scheduler.
+
+Invariants checked with hypothesis over generated exit codes, stop requests, rank records,
+budgets, histories, node states (known and unknown) and time left:
+
+1. A refusal (exit 2) is never restarted in place or requeued, and charges nothing.
+2. A stop by the job's own signal (which ``srun`` never sends) is never restarted in place and
+   never taken for a failure, whatever the ranks did: a preemption or time-limit stop is never
+   lost because a rank died at the same moment.
+3. A stop whose signal came within ``signal_lead`` + the controller's tick of the job's nominal
+   end is the time limit's: requeued as a timeout (or stopped when that budget is spent).
+4. No restart in place starts in the last ``signal_lead`` (+ tick) seconds before the end.
+5. No decision spends more than its budget: a requeue only while its cause's budget lasts, a
+   restart in place only while ``restarts_in_place`` lasts (charge included).
+6. Every loop is bounded: failing again and again, a job ends after at most
+   (restarts_in_place + 1) x (requeue_failure + 1) steps.
+7. A restart in place resumes from the run's own newest checkpoint once the job saved one,
+   never from ``--resume PATH`` again, and never with ``none`` (which would move it aside).
+8. Slurm's view of the nodes, when unknown (a failed or empty squeue or sinfo), never reads as
+   "nodes lost": the step runs again where it ran.
+9. Chosen nodes are usable nodes of the allocation, at most ``job.nodes`` of them, at least
+   ``min_nodes``, each once; the recorded world size is their count times the ranks per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
+from hpc_train.login.decide import AGAIN, TICK_S, USABLE, Budgets, Inputs, Nodes, decide
+from hpc_train.records.ranks import RankRecord
+from hpc_train.records.requeue import Incarnation, InPlace, Pending, Requeue, RequeueState
+
+NOW = 100_000.0
+INC = Incarnation("7", 0)
+
+
+def rec(rank: int, node: str = "", ended: str | None = None, left: str | None = None) -> RankRecord:
+    return RankRecord(rank, node or f"node{rank + 1}", node or f"node{rank + 1}", 100 + rank, "7", 0, 1, "L", 2,
+                      NOW - 60, ended, left)
+
+
+def pend(signal: str = "USR2", step: int | None = 100, ago: float = 5.0) -> Pending:
+    return Pending("7", step, signal, NOW - ago, "7", 0, 1)
+
+
+def nodes(allocated="node1 node2 node3", now="node1 node2 node3", states="all up", want=2, floor=2,
+          batch="node1") -> Nodes:
+    alloc = tuple(allocated.split())
+    st_ = {h: "allocated" for h in alloc} if states == "all up" else states
+    return Nodes(want, floor, alloc, batch, None if now is None else tuple(now.split()), st_,
+                 "" if now is not None and st_ is not None else "squeue failed: down")
+
+
+def base(**over) -> Inputs:
+    i = Inputs(status=1, finished=False, inc=INC, pending=None, pending_note="",
+               ranks={0: rec(0), 1: rec(1)}, ranks_per_node=1, srun_tasks_per_node=1,
+               budgets=Budgets(-1, 20, 1, 3), history=RequeueState(), job_signal="USR2", signal_lead=90,
+               now=NOW, nominal_end=None, newest_step=100, own_checkpoint=True, resume="latest",
+               first_step_nodes=2, nodes=None)
+    return replace(i, **over)
+
+
+def restart(step=100, charge=1, nodes_=None, lost=(), restart_=0, world=2, before=2) -> InPlace:
+    return InPlace("7", restart_, step, NOW - 100, charge, nodes_, lost, world, before)
+
+
+def requeued(cause: str, restart_: int = 0, ok: bool = True) -> Requeue:
+    return Requeue(f"7:{restart_}", cause, 10, NOW - 1000, ok)
+
+
+# -- the table --------------------------------------------------------------------------------
+TABLE = [
+    # id, inputs, action, cause, exit code
+    ("finished", base(finished=True), "finished", None, 0),
+    ("finished outranks a failure and a stop", base(finished=True, status=1, pending=pend()), "finished", None, 0),
+    ("refusal", base(status=EXIT_USAGE), "refused", None, EXIT_USAGE),
+    ("refusal with a stop request", base(status=EXIT_USAGE, pending=pend()), "refused", None, EXIT_USAGE),
+    ("preemption", base(status=0, pending=pend(), ranks={0: rec(0, ended="stopped"), 1: rec(1, ended="stopped")}),
+     "requeue", "preemption", 0),
+    ("time limit", base(status=0, pending=pend(), nominal_end=NOW + 100), "requeue", "timeout", 0),
+    ("time limit, a rank died then", base(pending=pend(), nominal_end=NOW + 60), "requeue", "timeout", 0),
+    ("preemption, a rank died then", base(pending=pend(), ranks={0: rec(0, ended="stopped"), 1: rec(1)}),
+     "requeue", "preemption", 0),
+    ("srun's SIGTERM after a rank died", base(pending=pend("TERM"), ranks={0: rec(0, ended="stopped"), 1: None}),
+     "in_place", "failure", AGAIN),
+    ("SIGTERM with every rank stopped is a stop", base(status=0, pending=pend("TERM"),
+                                                       ranks={0: rec(0, ended="stopped"), 1: rec(1, ended="stopped")}),
+     "requeue", "preemption", 0),
+    ("preemption budget spent", base(status=0, pending=pend(), budgets=Budgets(0, 20, 1, 3)), "stop", "preemption",
+     EXIT_STOPPED),
+    ("timeout budget spent", base(status=0, pending=pend(), nominal_end=NOW + 30, budgets=Budgets(-1, 1, 1, 3),
+                                  history=RequeueState(events=(requeued("timeout", 5),))), "stop", "timeout",
+     EXIT_STOPPED),
+    ("a failed requeue of another cause does not count", base(status=0, pending=pend(), budgets=Budgets(1, 1, 1, 3),
+                                                              history=RequeueState(events=(requeued("preemption", 3, ok=False),))),
+     "requeue", "preemption", 0),
+    ("this incarnation was requeued already", base(status=0, pending=pend(),
+                                                   history=RequeueState(events=(requeued("preemption"),))),
+     "none", None, 0),
+    ("a failure is restarted in place", base(), "in_place", "failure", AGAIN),
+    ("a failure near the time limit is requeued", base(nominal_end=NOW + 90 + TICK_S), "requeue", "failure", 0),
+    ("a failure with time to spare is restarted", base(nominal_end=NOW + 90 + TICK_S + 1), "in_place", "failure",
+     AGAIN),
+    ("no in-place budget", base(budgets=Budgets(-1, 20, 1, 0)), "requeue", "failure", 0),
+    ("in-place budget spent", base(history=RequeueState(in_place=(restart(50), restart(80, 2)))), "requeue",
+     "failure", 0),
+    ("everything spent", base(status=137, budgets=Budgets(-1, 20, 0, 0)), "fail", "failure", 137),
+    ("the loop's own code is never the job's", base(status=AGAIN, budgets=Budgets(-1, 20, 0, 0)), "fail", "failure", 1),
+    ("a rank with no record failed", base(ranks={0: rec(0, ended="stopped"), 1: None}), "in_place", "failure", AGAIN),
+    ("exit 0 and no request", base(status=0, ranks={0: rec(0, ended="returned"), 1: rec(1, ended="returned")}),
+     "none", None, 0),
+]
+
+
+@pytest.mark.parametrize("name,inputs,action,cause,code", TABLE, ids=[t[0] for t in TABLE])
+def test_the_decision_table(name, inputs, action, cause, code):
+    d = decide(inputs)
+    assert (d.action, d.cause, d.exit_code) == (action, cause, code), d
+
+
+def test_a_restart_costs_two_only_without_progress():
+    first = decide(base())
+    assert first.restart.charge == 1 and "1 of 3 used" in first.message
+    progress = decide(base(history=RequeueState(in_place=(restart(step=50),))))
+    assert progress.restart.charge == 1 and "2 of 3 used" in progress.message
+    again = decide(base(history=RequeueState(in_place=(restart(step=100),))))
+    assert again.restart.charge == 2 and "3 of 3 used" in again.message and "counted twice" in again.message
+
+
+@pytest.mark.parametrize("resume,own,expect", [("latest", True, "latest"), ("/ckpt/step-4", True, "latest"),
+                                               ("/ckpt/step-4", False, "/ckpt/step-4"), ("none", False, "latest"),
+                                               ("none", True, "latest")])
+def test_a_restart_in_place_resumes_from_the_run_s_own_checkpoint(resume, own, expect):
+    assert decide(base(resume=resume, own_checkpoint=own)).next_resume == expect
+
+
+def test_the_failure_line_names_the_rank_and_a_withdrawn_stop():
+    d = decide(base(pending=pend("TERM"), ranks={0: rec(0, ended="stopped"), 1: None}))
+    assert "not a stop: rank 1 failed and srun ended the other ranks (SIGTERM)" in d.message, d.message
+    assert "restarting in place from step 100" in d.message
+
+
+def test_spent_budgets_say_so_in_the_final_line():
+    d = decide(base(status=1, budgets=Budgets(-1, 20, 1, 0), history=RequeueState(events=(requeued("failure", 4),))))
+    assert d.action == "fail" and "failure budget (1) spent, not requeued" in d.final
+    d = decide(base(status=0, pending=pend(step=None), budgets=Budgets(0, 20, 1, 3)))
+    assert d.final == "stopped by preemption at an unknown step; preemption budget (0) spent, not requeued"
+
+
+# -- nodes --------------------------------------------------------------------------------------
+def test_a_spare_takes_the_place_of_a_lost_node():
+    d = decide(base(nodes=nodes(now="node1 node3", states={"node1": "mixed", "node2": "down*", "node3": "idle"})))
+    assert d.action == "in_place" and d.restart.nodes == ("node1", "node3") and d.restart.lost == ("node2",)
+    assert d.next_nodes == "--nodes=2 --ntasks=2 --nodelist=node1,node3"
+    assert (d.restart.world_before, d.restart.world_size) == (2, 2)
+    assert "node2 lost at step 100; next step on node1,node3" in d.message
+
+
+def test_a_crashed_rank_moves_to_the_spare_and_keeps_its_node_without_one():
+    crashed = {0: rec(0, ended="stopped"), 1: rec(1)}
+    spare = decide(base(ranks=crashed, nodes=nodes()))
+    assert spare.restart.nodes == ("node1", "node3") and spare.restart.lost == ()
+    kept = decide(base(ranks=crashed, nodes=nodes("node1 node2", "node1 node2", want=2, floor=2)))
+    assert kept.restart.nodes == ("node1", "node2")
+    # Every rank failed (rank 0 lost its peer): the batch shell's node keeps rank 0.
+    both = decide(base(ranks={0: rec(0), 1: rec(1)}, nodes=nodes()))
+    assert both.restart.nodes == ("node1", "node3")
+
+
+def test_a_node_lost_in_an_earlier_step_is_not_lost_again():
+    earlier = RequeueState(in_place=(restart(50, nodes_=("node1", "node3"), lost=("node2",)),))
+    d = decide(base(history=earlier, ranks={0: rec(0, ended="stopped"), 1: rec(1, node="node3")},
+                    nodes=nodes("node1 node2 node3 node4", "node1 node3 node4",
+                                {"node1": "mixed", "node2": "down*", "node3": "mixed", "node4": "idle"})))
+    assert d.restart.lost == () and d.restart.nodes == ("node1", "node4"), d
+    assert "lost" not in d.message
+
+
+def test_a_requeued_job_starts_again_on_its_own_node_count():
+    """Incarnation 0 shrank to one node; incarnation 1 started again on job.nodes=2."""
+    shrunk = RequeueState(in_place=(restart(50, nodes_=("node1",), lost=("node2",), world=1),))
+    d = decide(base(inc=Incarnation("7", 1), history=shrunk, nodes=nodes("node1 node2", "node1 node2", floor=1)))
+    assert (d.restart.world_before, d.restart.world_size) == (2, 2) and "world size" not in d.message
+
+
+def test_fewer_nodes_down_to_min_nodes_then_the_requeue():
+    shrink = decide(base(ranks_per_node=2, srun_tasks_per_node=1, first_step_nodes=2,
+                         ranks={r: rec(r, node=f"node{1 + r // 2}") for r in range(4)},
+                         nodes=nodes("node1 node2", "node1", {"node1": "mixed", "node2": "down"}, floor=1)))
+    assert shrink.next_nodes == "--nodes=1 --ntasks=1 --nodelist=node1"        # one torchrun
+    assert (shrink.restart.world_before, shrink.restart.world_size) == (4, 2)
+    assert "world size 4 -> 2: node2 lost" in shrink.message
+    below = decide(base(nodes=nodes("node1 node2 node3", "node1", {"node1": "mixed", "node2": "down", "node3": "down*"},
+                                    want=3, floor=2)))
+    assert below.action == "requeue" and "1 of the allocation's 3 nodes are up" in below.message
+    assert "job.min_nodes=2" in below.message
+
+
+@pytest.mark.parametrize("now,states", [(None, {"node1": "mixed"}), ("node1 node2 node3", None)])
+def test_an_unknown_view_of_the_nodes_runs_the_step_where_it_ran(now, states):
+    placed = RequeueState(in_place=(restart(50, nodes_=("node1", "node3"), lost=("node2",)),))
+    d = decide(base(history=placed, nodes=nodes(now=now, states=states)))
+    assert d.action == "in_place" and d.next_nodes == "--nodes=2 --ntasks=2 --nodelist=node1,node3"
+    assert d.restart.lost == () and "unknown" in d.message
+    first = decide(base(nodes=nodes(now=now, states=states)))
+    assert first.next_nodes == "--nodes=2 --ntasks=2"    # the first step's own arguments
+
+
+# -- properties -------------------------------------------------------------------------------
+SIGNALS = st.sampled_from(["USR2", "TERM", "USR1", "INT", ""])
+NODE_STATES = st.sampled_from(["allocated", "mixed", "idle", "completing", "down", "down*", "drained", "idle~", "fail"])
+
+
+RANK_KINDS = st.sampled_from(["missing", "silent", "finished", "stopped", "returned", "left"])
+
+
+def _rank(r: int, kind: str) -> RankRecord | None:
+    if kind == "missing":
+        return None
+    return rec(r, node=f"node{1 + r % 4}", ended=kind if kind in ("finished", "stopped", "returned") else None,
+               left="stop" if kind == "left" else None)
+
+
+RANKS = st.lists(RANK_KINDS, min_size=1, max_size=4).map(lambda kinds: {r: _rank(r, k) for r, k in enumerate(kinds)})
+EVENTS = st.builds(Requeue, st.sampled_from(["7:0", "7:1", "7:2", "8:0"]),
+                   st.sampled_from(["preemption", "timeout", "failure"]), st.one_of(st.none(), st.integers(0, 300)),
+                   st.just(NOW - 500), st.booleans())
+NODE_TUPLES = st.lists(st.sampled_from(["node1", "node2", "node3", "node4"]), min_size=1, max_size=3,
+                       unique=True).map(tuple)
+PLACES = st.builds(InPlace, st.sampled_from(["7", "8"]), st.one_of(st.none(), st.integers(0, 2)),
+                   st.one_of(st.none(), st.integers(0, 300)), st.just(NOW - 200), st.integers(1, 2),
+                   st.one_of(st.none(), NODE_TUPLES),
+                   st.lists(st.sampled_from(["node2", "node3"]), max_size=1, unique=True).map(tuple))
+HISTORIES = st.builds(lambda e, p: RequeueState(events=tuple(e), in_place=tuple(p)),
+                      st.lists(EVENTS, max_size=4), st.lists(PLACES, max_size=4))
+ALLOCS = [("node1", "node2", "node3", "node4")[:n] for n in range(1, 5)]
+
+
+@st.composite
+def node_views(draw):
+    alloc = draw(st.sampled_from(ALLOCS))
+    want = draw(st.integers(1, len(alloc)))
+    floor = draw(st.integers(1, want))
+    now = draw(st.one_of(st.none(), st.sets(st.sampled_from(alloc)).map(tuple)))
+    states = draw(st.one_of(st.none(), st.lists(NODE_STATES, min_size=len(alloc), max_size=len(alloc))
+                            .map(lambda ss, a=alloc: dict(zip(a, ss)))))
+    return Nodes(want, floor, alloc, "node1", now or None, states, "" if now and states else "unknown")
+
+
+PENDING = st.one_of(st.none(), st.builds(pend, SIGNALS, st.one_of(st.none(), st.integers(0, 300)), st.floats(0, 500)))
+BUDGETS = st.builds(Budgets, st.integers(-1, 2), st.integers(-1, 2), st.integers(-1, 2), st.integers(0, 3))
+
+
+@st.composite
+def inputs(draw):
+    return base(status=draw(st.sampled_from([0, 1, 2, 3, 75, 137, 143])), finished=draw(st.booleans()),
+                inc=Incarnation("7", draw(st.integers(0, 2))), pending=draw(PENDING), ranks=draw(RANKS),
+                budgets=draw(BUDGETS), history=draw(HISTORIES), job_signal=draw(st.sampled_from(["USR2", "TERM"])),
+                nominal_end=draw(st.one_of(st.none(), st.floats(NOW - 100, NOW + 2000))),
+                newest_step=draw(st.integers(0, 300)), own_checkpoint=draw(st.booleans()),
+                resume=draw(st.sampled_from(["latest", "none", "/elsewhere/checkpoints/step-4"])),
+                nodes=draw(st.one_of(st.none(), node_views())))
+
+
+PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _lead_end(i: Inputs) -> float:
+    return i.signal_lead + TICK_S
+
+
+@PROPS
+@given(inputs())
+def test_refusals_and_own_signal_stops_are_never_restarted_in_place(i):
+    d = decide(i)
+    if i.finished:
+        assert d.action == "finished"
+        return
+    if i.status == EXIT_USAGE:
+        assert d.action == "refused" and d.restart is None and d.exit_code == EXIT_USAGE
+        return
+    if i.pending is not None and i.pending.signal == i.job_signal != "TERM":
+        assert d.action in ("requeue", "stop", "none") and d.cause in ("preemption", "timeout", None), d
+
+
+@PROPS
+@given(inputs())
+def test_a_time_limit_stop_is_never_lost(i):
+    d = decide(i)
+    if i.finished or i.status == EXIT_USAGE or i.pending is None or i.nominal_end is None:
+        return
+    if i.nominal_end - i.pending.received_at <= _lead_end(i):
+        assert d.action in ("requeue", "stop", "none") and d.cause in ("timeout", None), d
+
+
+@PROPS
+@given(inputs())
+def test_no_restart_in_place_in_the_last_signal_lead_seconds(i):
+    d = decide(i)
+    if d.action == "in_place" and i.nominal_end is not None:
+        assert i.nominal_end - i.now > _lead_end(i)
+
+
+@PROPS
+@given(inputs())
+def test_no_decision_spends_more_than_its_budget(i):
+    d = decide(i)
+    if d.action == "requeue":
+        budget = i.budgets.of(d.cause)
+        assert budget < 0 or i.history.count(d.cause) < budget, d
+    if d.action == "in_place":
+        assert i.history.in_place_used() + d.restart.charge <= i.budgets.in_place, d
+        assert d.restart.charge in (1, 2) and d.exit_code == AGAIN
+
+
+@PROPS
+@given(inputs())
+def test_a_restart_in_place_never_goes_back_to_a_given_path_or_none(i):
+    d = decide(i)
+    if d.action == "in_place":
+        assert d.next_resume != "none"
+        if i.own_checkpoint:
+            assert d.next_resume == "latest"
+
+
+@PROPS
+@given(inputs())
+def test_nodes_chosen_are_usable_and_an_unknown_view_loses_none(i):
+    d = decide(i)
+    if d.action != "in_place" or i.nodes is None:
+        return
+    n = i.nodes
+    if n.now is None or n.states is None:
+        assert d.restart.lost == () and "unknown" in d.message
+        return
+    chosen = d.restart.nodes
+    assert len(set(chosen)) == len(chosen) and n.floor <= len(chosen) <= n.want
+    assert all(h in n.allocated and h in n.now and n.states[h] in USABLE for h in chosen)
+    assert d.restart.world_size == len(chosen) * i.ranks_per_node
+    assert set(d.restart.lost).isdisjoint(chosen)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 3), st.integers(0, 2), st.booleans(), st.sampled_from([None, "TERM"]))
+def test_every_failure_loop_is_bounded(in_place, failure, progress, stop_signal):
+    """A job whose steps all fail (with srun's SIGTERM taken for a stop by rank 0, or without),
+    driven through decide and the history's own transitions, with every scontrol succeeding."""
+    history, inc, step, steps, requeues = RequeueState(), Incarnation("7", 0), 10, 0, 0
+    budgets = Budgets(-1, 20, failure, in_place)
+    while True:
+        steps += 1
+        assert steps <= (in_place + 1) * (failure + 1) + 1, (steps, history)
+        pending = pend(stop_signal, step=None) if stop_signal else None
+        d = decide(base(inc=inc, history=history, budgets=budgets, newest_step=step, pending=pending,
+                        ranks={0: rec(0, ended="stopped"), 1: None}))
+        if d.action == "in_place":
+            history = history.restarted(d.restart)
+        elif d.action == "requeue":
+            assert d.cause == "failure", d
+            history, requeues = history.requeued(inc, d.cause, d.step, NOW), requeues + 1
+            inc = Incarnation("7", inc.restart + 1)
+        else:
+            assert d.action == "fail", d
+            break
+        step += 10 if progress else 0
+    assert requeues == failure
