@@ -15,7 +15,8 @@ budgets, histories, node states (known and unknown) and time left:
 5. No decision spends more than its budget: a requeue only while its cause's budget lasts, a
    restart in place only while ``restarts_in_place`` lasts (charge included).
 6. Every loop is bounded: failing again and again, a job ends after at most
-   (restarts_in_place + 1) x (requeue_failure + 1) steps.
+   (restarts_in_place + 1) x (requeue_failure + 1) steps; failing with the same error at the
+   same step (no progress), it ends at the second attempt.
 7. A restart in place resumes from the run's own newest checkpoint once the job saved one,
    never from ``--resume PATH`` again, and never with ``none`` (which would move it aside).
 8. Slurm's view of the nodes, when unknown (a failed or empty squeue or sinfo), never reads as
@@ -147,6 +148,28 @@ def test_the_failure_line_names_the_rank_and_a_withdrawn_stop():
     assert "restarting in place from step 100" in d.message
 
 
+def test_the_same_error_at_the_same_step_twice_ends_the_job():
+    err = "ValueError: You set devices=2, but --ntasks-per-node=1 does not match"
+    first = decide(base(ranks={0: rec(0), 1: rec(1)}, errors={0: err}, newest_step=0))
+    assert first.action == "in_place" and first.restart.error == err and err in first.message
+    again = decide(base(ranks={0: rec(0), 1: rec(1)}, errors={0: err}, newest_step=0,
+                        history=RequeueState(in_place=(first.restart,))))
+    assert again.action == "fail" and again.exit_code == 1 and err in again.final, again
+    assert "the same error again at step 0" in again.final
+    # Progress since (a newer checkpoint), or another error: restarted as usual.
+    moved = decide(base(errors={0: err}, newest_step=5, history=RequeueState(in_place=(first.restart,))))
+    other = decide(base(errors={0: "RuntimeError: CUDA error"}, newest_step=0,
+                        history=RequeueState(in_place=(first.restart,))))
+    assert moved.action == other.action == "in_place"
+
+
+def test_the_culprit_s_error_is_not_a_victim_s_lost_peer_line():
+    d = decide(base(ranks={0: rec(0), 1: rec(1)},
+                    errors={0: "lost a peer: rank 1 (pid 7 on node2) exited (Connection reset by peer)",
+                            1: "RuntimeError: boom"}))
+    assert "rank 1 failed: RuntimeError: boom" in d.message and d.restart.error == "RuntimeError: boom"
+
+
 def test_spent_budgets_say_so_in_the_final_line():
     d = decide(base(status=1, budgets=Budgets(-1, 20, 1, 0), history=RequeueState(events=(requeued("failure", 4),))))
     assert d.action == "fail" and "failure budget (1) spent, not requeued" in d.final
@@ -254,6 +277,9 @@ def node_views(draw):
     return Nodes(want, floor, alloc, "node1", now or None, states, "" if now and states else "unknown")
 
 
+ERRORS = st.dictionaries(st.integers(0, 3), st.sampled_from(["RuntimeError: boom", "ValueError: bad devices",
+                                                            "lost a peer: rank 1 exited (Connection reset by peer)"]),
+                         max_size=3)
 PENDING = st.one_of(st.none(), st.builds(pend, SIGNALS, st.one_of(st.none(), st.integers(0, 300)), st.floats(0, 500)))
 BUDGETS = st.builds(Budgets, st.integers(-1, 2), st.integers(-1, 2), st.integers(-1, 2), st.integers(0, 3))
 
@@ -266,7 +292,7 @@ def inputs(draw):
                 nominal_end=draw(st.one_of(st.none(), st.floats(NOW - 100, NOW + 2000))),
                 newest_step=draw(st.integers(0, 300)), own_checkpoint=draw(st.booleans()),
                 resume=draw(st.sampled_from(["latest", "none", "/elsewhere/checkpoints/step-4"])),
-                nodes=draw(st.one_of(st.none(), node_views())))
+                nodes=draw(st.one_of(st.none(), node_views())), errors=draw(ERRORS))
 
 
 PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -348,10 +374,12 @@ def test_nodes_chosen_are_usable_and_an_unknown_view_loses_none(i):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(0, 3), st.integers(0, 2), st.booleans(), st.sampled_from([None, "TERM"]))
-def test_every_failure_loop_is_bounded(in_place, failure, progress, stop_signal):
-    """A job whose steps all fail (with srun's SIGTERM taken for a stop by rank 0, or without),
-    driven through decide and the history's own transitions, with every scontrol succeeding."""
+@given(st.integers(0, 3), st.integers(0, 2), st.booleans(), st.sampled_from([None, "TERM"]),
+       st.sampled_from([None, "RuntimeError: boom"]))
+def test_every_failure_loop_is_bounded(in_place, failure, progress, stop_signal, error):
+    """A job whose steps all fail (with srun's SIGTERM taken for a stop by rank 0, or without;
+    with an error line or none), driven through decide and the history's own transitions, with
+    every scontrol succeeding."""
     history, inc, step, steps, requeues = RequeueState(), Incarnation("7", 0), 10, 0, 0
     budgets = Budgets(-1, 20, failure, in_place)
     while True:
@@ -359,15 +387,18 @@ def test_every_failure_loop_is_bounded(in_place, failure, progress, stop_signal)
         assert steps <= (in_place + 1) * (failure + 1) + 1, (steps, history)
         pending = pend(stop_signal, step=None) if stop_signal else None
         d = decide(base(inc=inc, history=history, budgets=budgets, newest_step=step, pending=pending,
-                        ranks={0: rec(0, ended="stopped"), 1: None}))
+                        ranks={0: rec(0, ended="stopped"), 1: None}, errors={1: error} if error else {}))
         if d.action == "in_place":
             history = history.restarted(d.restart)
         elif d.action == "requeue":
             assert d.cause == "failure", d
-            history, requeues = history.requeued(inc, d.cause, d.step, NOW), requeues + 1
+            history, requeues = history.requeued(inc, d.cause, d.step, NOW, d.error), requeues + 1
             inc = Incarnation("7", inc.restart + 1)
         else:
             assert d.action == "fail", d
             break
         step += 10 if progress else 0
-    assert requeues == failure
+    if error is not None and not progress:
+        assert steps <= 2, (steps, history)     # the same error at the same step: no third attempt
+    elif error is None or progress:
+        assert requeues == failure

@@ -66,14 +66,14 @@ def _tool(bin_dir: Path, name: str, body: str) -> None:
 
 def _job(tmp_path: Path, script: str, *, statuses: list[int], nodes: str = "node[1-2]", restart: int = 0,
          job: str = JOB, now: str | None = None, states: str | None = None, squeue_fails: bool = False,
-         sinfo_fails: bool = False, scontrol_fails: bool = False, minutes_left: float | None = None
-         ) -> subprocess.CompletedProcess:
+         sinfo_fails: bool = False, scontrol_fails: bool = False, minutes_left: float | None = None,
+         each: str = "") -> subprocess.CompletedProcess:
     """Run the batch script as Slurm would. Its ``srun`` returns ``statuses[n]`` at its n-th call,
     and the call after the last finishes the run (result.json). Each call's node arguments go to
     ``srun.calls``; ``scontrol``'s to ``scontrol.calls``. ``squeue`` answers the job's nodes
     ``now`` and, with ``minutes_left``, a start and time limit that leave that much; ``sinfo``
     answers ``states`` ("node1|mixed node2|down"); ``*_fails``: the command fails as it does
-    when the controller is down."""
+    when the controller is down; ``each``: shell run by every srun call first."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     down = 'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1\n'
@@ -87,7 +87,7 @@ def _job(tmp_path: Path, script: str, *, statuses: list[int], nodes: str = "node
     _tool(bin_dir, "scontrol", f'echo "$@" >> {tmp_path}/scontrol.calls\n'
           + ('echo "scontrol: error: Unable to contact slurm controller" >&2; exit 1\n' if scontrol_fails else ""))
     srun = (f'srun() {{ a="$*"; echo "${{a%%--kill-on-bad-exit*}}" >> {tmp_path}/srun.calls; '
-            f'n=$(wc -l < {tmp_path}/srun.calls); s=({" ".join(map(str, statuses))}); '
+            f'n=$(wc -l < {tmp_path}/srun.calls); s=({" ".join(map(str, statuses))}); {each} '
             f'if [ "$n" -le {len(statuses)} ]; then return "${{s[$((n-1))]}}"; fi; '
             f'echo "{{}}" > "$RUN_DIR/result.json"; }}\n')
     for name in ("srun", "scontrol", "squeue"):
@@ -360,3 +360,19 @@ def test_an_in_place_restart_after_resume_path_goes_on_from_the_run_s_own_checkp
     assert len(resumed) == 2, resumed
     assert "src" in resumed[0] and str(rd / "checkpoints") in resumed[1], (resumed, _hook_lines(job))
     assert not list((rd / "checkpoints").glob("*.skipped*")), sorted(p.name for p in (rd / "checkpoints").iterdir())
+
+
+def test_the_same_start_up_error_twice_ends_the_job_with_it(tmp_path):
+    """Every step dies at start-up with the same error (Lightning's devices/tasks mismatch, say):
+    the second time, with no checkpoint since, there is no third attempt, in place or through the
+    queue; the job ends failed with the error's line, and status shows it."""
+    script, rd = _script(tmp_path, "job.nodes=2")
+    err = "ValueError: You set devices=2, but the number of tasks per node configured (1) does not match"
+    each = (f'mkdir -p "$RUN_DIR/logs"; printf "%s\\n\\ntraceback\\n" "{err}" > "$RUN_DIR/logs/rank-0.error";')
+    job = _job(tmp_path, script, statuses=[1, 1, 1, 1], each=each)
+    assert len(_calls(tmp_path, "srun")) == 2 and _calls(tmp_path, "scontrol") == [], job.stderr
+    assert job.returncode == 1, job.stderr
+    last = _hook_lines(job).splitlines()[-1]
+    assert "the same error again at step 0" in last and err in last, job.stderr
+    status = hpc("status", rd)
+    assert err in status.stdout, show(status)

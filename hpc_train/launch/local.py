@@ -205,10 +205,9 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     """Start, supervise and reap the workers. Returns the exit code for the CLI.
 
     ``hang_s`` (``dist.timeout_s``): a rank whose heartbeat is older than this has stopped
-    responding (see :mod:`hpc_train.watchdog`); it is named, every rank writes its stack, and
+    responding (see :mod:`hpc_train.node.watchdog`); it is named, every rank writes its stack, and
     the run ends. ``lock_fd``: the run directory's lock, held by every worker too. ``script``: the
     workers run a ``--script`` (a stop reaches it as SIGTERM; the message says so)."""
-    from hpc_train.node import watchdog
     from hpc_train.records import ranks
     # An earlier launch's error files and rank records (which say how each rank ended) are not this one's.
     for stale in (run_dir / rundir.LOGS).glob("rank-*.error"):
@@ -221,7 +220,6 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
         print(f"hpc_train: error: {e}", file=sys.stderr)
         return 1
     interrupts = {"n": 0, "sig": 0}
-    next_check = time.monotonic() + 1.0
 
     def on_signal(signum: int, frame: object) -> None:
         interrupts["n"] += 1 if signum != signal.SIGQUIT else 2   # Ctrl-\\: abort at once, as a second Ctrl-C
@@ -239,49 +237,64 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     # train on as orphans; it stops them like the first Ctrl-C.
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
-        failed: tuple[int, int] | None = None
-        deadline = None
-        # Poll every worker on every tick (not `any(p.poll() ...)`, which stops at the first one
-        # still running: rank 1's death went unseen for as long as rank 0 lived).
-        while [p.poll() for p in procs].count(None):
-            if failed is None:
-                dead = [(rank, p.returncode) for rank, p in enumerate(procs) if _failed(run_dir, rank, p.returncode)]
-                if dead:
-                    # A peer that froze makes the others fail in their collectives: name it, not them.
-                    alive = [r for r, p in enumerate(procs) if p.poll() is None]
-                    frozen = watchdog.stale(run_dir, alive, 3 * watchdog.BEAT_S, started)
-                    rank = _culprit(run_dir, dead) if frozen is None else frozen[0]
-                    failed = (rank, procs[rank].returncode if frozen is None else None)
-                    if frozen is not None:
-                        _name_frozen(run_dir, procs, *frozen)
-                    _signal_all(procs, signal.SIGTERM)
-                    deadline = time.monotonic() + GRACE_S
-            if failed is None and time.monotonic() >= next_check:
-                next_check = time.monotonic() + 1.0
-                alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
-                hung = watchdog.stale(run_dir, alive, watchdog.limit_for(hang_s), started)
-                if hung is not None:
-                    _name_frozen(run_dir, procs, *hung)
-                    failed = (hung[0], None)
-                    _signal_all(procs, signal.SIGTERM)
-                    deadline = time.monotonic() + HUNG_GRACE_S
-            if deadline is not None and time.monotonic() > deadline:
-                _signal_all(procs, signal.SIGKILL)
-            time.sleep(0.05)
-        if failed is None:
-            dead = [(rank, p.returncode) for rank, p in enumerate(procs) if _failed(run_dir, rank, p.returncode)]
-            if dead:
-                rank = _culprit(run_dir, dead)
-                failed = (rank, procs[rank].returncode)
+        failed = _watch(procs, run_dir, hang_s, started)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         from hpc_train.goodput import exited, process_start_time
         exited(run_dir, process_start_time())
-    if interrupts["n"] > 1:
+    return _outcome(run_dir, failed, interrupts["n"], interrupts["sig"], started)
+
+
+def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started: float) -> tuple[int, int | None] | None:
+    """Until every worker exited: the first failure, (rank, exit code; None for a rank that
+    stopped responding), after which the others are ended (SIGTERM, SIGKILL after a grace)."""
+    from hpc_train.node import watchdog
+    failed: tuple[int, int | None] | None = None
+    deadline = None
+    next_check = time.monotonic() + 1.0
+    # Poll every worker on every tick (not `any(p.poll() ...)`, which stops at the first one
+    # still running: rank 1's death went unseen for as long as rank 0 lived).
+    while [p.poll() for p in procs].count(None):
+        if failed is None:
+            dead = [(rank, p.returncode) for rank, p in enumerate(procs) if _failed(run_dir, rank, p.returncode)]
+            if dead:
+                # A peer that froze makes the others fail in their collectives: name it, not them.
+                alive = [r for r, p in enumerate(procs) if p.poll() is None]
+                frozen = watchdog.stale(run_dir, alive, 3 * watchdog.BEAT_S, started)
+                rank = _culprit(run_dir, dead) if frozen is None else frozen[0]
+                failed = (rank, procs[rank].returncode if frozen is None else None)
+                if frozen is not None:
+                    _name_frozen(run_dir, procs, *frozen)
+                _signal_all(procs, signal.SIGTERM)
+                deadline = time.monotonic() + GRACE_S
+        if failed is None and time.monotonic() >= next_check:
+            next_check = time.monotonic() + 1.0
+            alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
+            hung = watchdog.stale(run_dir, alive, watchdog.limit_for(hang_s), started)
+            if hung is not None:
+                _name_frozen(run_dir, procs, *hung)
+                failed = (hung[0], None)
+                _signal_all(procs, signal.SIGTERM)
+                deadline = time.monotonic() + HUNG_GRACE_S
+        if deadline is not None and time.monotonic() > deadline:
+            _signal_all(procs, signal.SIGKILL)
+        time.sleep(0.05)
+    if failed is None:
+        dead = [(rank, p.returncode) for rank, p in enumerate(procs) if _failed(run_dir, rank, p.returncode)]
+        if dead:
+            rank = _culprit(run_dir, dead)
+            failed = (rank, procs[rank].returncode)
+    return failed
+
+
+def _outcome(run_dir: Path, failed: tuple[int, int | None] | None, interrupts: int, signum: int,
+             started: float) -> int:
+    """The launcher's last line and exit code: aborted, a failure named, a stop, or 0."""
+    if interrupts > 1:
         print("hpc_train: aborted; workers killed", file=sys.stderr)
         return 130
-    if failed is not None and not interrupts["n"]:
+    if failed is not None and not interrupts:
         rank, code = failed
         how = "stopped responding" if code is None else \
             f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
@@ -291,20 +304,19 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     from hpc_train.records import result, stop
     rec, written = stop.written_since(run_dir, started)
     ended_by_stop = failed is None and written and not result.finished(run_dir)
-    if interrupts["n"] or ended_by_stop:
-        # A stop that did not come through this launcher (a SIGTERM sent to one worker, a
-        # request_stop() in the code) ends the run unfinished too: say so, and exit non-zero.
-        if ended_by_stop:
-            # A damaged record is said as a stop without its details.
-            if rec is not None and rec.checkpoint:
-                print(f"hpc_train: checkpoint saved at step {rec.steps}; run the same command to resume",
-                      file=sys.stderr)
-            elif rec is not None and rec.steps is not None:
-                print(f"hpc_train: stopped at step {rec.steps} with checkpoints disabled; nothing was saved",
-                      file=sys.stderr)
-            else:
-                print("hpc_train: stopped before the code reached a step boundary (run.step_end), so hpc_train saved "
-                      "nothing this time; run the same command to resume (from the last checkpoint, or from "
-                      "whatever the code saved itself)", file=sys.stderr)
-        return 128 + (interrupts["sig"] or signal.SIGTERM)
-    return 0
+    if not (interrupts or ended_by_stop):
+        return 0
+    # A stop that did not come through this launcher (a SIGTERM sent to one worker, a
+    # request_stop() in the code) ends the run unfinished too: say so, and exit non-zero.
+    if ended_by_stop:
+        # A damaged record is said as a stop without its details.
+        if rec is not None and rec.checkpoint:
+            print(f"hpc_train: checkpoint saved at step {rec.steps}; run the same command to resume", file=sys.stderr)
+        elif rec is not None and rec.steps is not None:
+            print(f"hpc_train: stopped at step {rec.steps} with checkpoints disabled; nothing was saved",
+                  file=sys.stderr)
+        else:
+            print("hpc_train: stopped before the code reached a step boundary (run.step_end), so hpc_train saved "
+                  "nothing this time; run the same command to resume (from the last checkpoint, or from "
+                  "whatever the code saved itself)", file=sys.stderr)
+    return 128 + (signum or signal.SIGTERM)

@@ -26,10 +26,10 @@ from ``--resume PATH`` again: that would move this job's work aside and train it
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
+from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE, says_peer_lost
 from hpc_train.records.ranks import RankRecord
 from hpc_train.records.requeue import Incarnation, InPlace, Pending, RequeueState
 
@@ -87,6 +87,7 @@ class Inputs:
     resume: str                            # the job's HPC_TRAIN_RESUME
     first_step_nodes: int                  # the first step's node count (job.nodes, or the allocation's)
     nodes: Nodes | None                    # None: srun's defaults, no node choice
+    errors: Mapping[int, str] = field(default_factory=dict)   # first error line of ranks that wrote one
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Decision:
     final: str | None = None               # the line that ends the job unrequeued
     next_nodes: str | None = None          # srun's node arguments for the next step (None: unchanged)
     next_resume: str | None = None         # HPC_TRAIN_RESUME for the next step
+    error: str | None = None               # the failure's first error line, kept in the record
 
 
 def _step(step: int | None) -> str:
@@ -111,6 +113,14 @@ def failed_ranks(i: Inputs) -> list[int]:
     if i.status == 0:
         return []
     return sorted(r for r, rec in i.ranks.items() if rec is None or not rec.said_its_end)
+
+
+def culprit_error(i: Inputs, failed: list[int]) -> tuple[int, str] | tuple[None, None]:
+    """(rank, error line) of the failure: the first failed rank that says why, preferring one
+    that is not only reporting a lost peer (a victim of another rank's death)."""
+    said = [(r, i.errors[r]) for r in failed if i.errors.get(r)]
+    first = next(((r, e) for r, e in said if not says_peer_lost(e)), said[0] if said else (None, None))
+    return first
 
 
 def stop_cause(i: Inputs, failed: list[int]) -> str:
@@ -143,7 +153,9 @@ def decide(i: Inputs) -> Decision:
         note = (f"not a stop: rank {failed[0]} failed and srun ended the other ranks "
                 f"(SIG{i.pending.signal}); ")
     elif i.status != 0:
-        note = f"rank {failed[0]} failed; " if failed else ""
+        rank, error = culprit_error(i, failed)
+        note = (f"rank {rank} failed: {error}; " if rank is not None else f"rank {failed[0]} failed; " if failed
+                else "")
     else:
         return Decision("none", f"{i.pending_note}no requeue requested", 0)
     return _failure(i, i.pending_note + note, failed)
@@ -163,6 +175,13 @@ def _stop(i: Inputs, cause: str, step: int | None) -> Decision:
 
 def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
     step = i.newest_step
+    _, error = culprit_error(i, failed)
+    if error is not None and i.history.last_failure() == (step, error):
+        # The same error at the same step, with no checkpoint since: it will fail the same way.
+        final = (f"the same error again at {_step(step)}, with no progress since the last attempt: {error}; "
+                 f"not restarted or requeued again")
+        return Decision("fail", f"{note}{final}", 1 if i.status in (0, AGAIN) else i.status, "failure", step,
+                        final=final, error=error)
     why = _in_place_refusal(i)
     where: tuple[str | None, tuple[str, ...], tuple[str, ...] | None, str] = (None, (), None, "")
     if not why and i.nodes is not None:
@@ -182,7 +201,7 @@ def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
             n_after = len(chosen) if chosen is not None else n_before
             rpn = i.ranks_per_node
             entry = InPlace(i.inc.target, i.inc.restart, step, i.now, charge, chosen, lost,
-                            n_after * rpn, n_before * rpn)
+                            n_after * rpn, n_before * rpn, error)
             resume = "latest" if i.own_checkpoint or i.resume in ("latest", "none") else i.resume
             size = f"world size {n_before * rpn} -> {n_after * rpn}: " if n_after != n_before else ""
             return Decision("in_place", f"{note}{size}{node_note}restarting in place from {_step(step)} "
@@ -197,9 +216,9 @@ def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
     code = 1 if i.status in (0, AGAIN) else i.status
     if 0 <= budget <= used:
         final = f"stopped by failure at {_step(step)}; failure budget ({budget}) spent, not requeued"
-        return Decision("fail", f"{note}{final}", code, "failure", step, final=final)
+        return Decision("fail", f"{note}{final}", code, "failure", step, final=final, error=error)
     return Decision("requeue", f"{note}failure at {_step(step)}: requeue {used + 1} of {_limit(budget)}", 0,
-                    "failure", step)
+                    "failure", step, error=error)
 
 
 def _in_place_refusal(i: Inputs) -> str:

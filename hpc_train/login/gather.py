@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hpc_train import rundir
 from hpc_train.config import JobSection
+from hpc_train.errors import EXIT_USAGE
 from hpc_train.login import nodes as slurm
 from hpc_train.login.decide import Budgets, Inputs, Nodes
 from hpc_train.records import ranks as ranks_rec
@@ -82,9 +83,13 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         step = StepId(step.job, step.restart, 0, rank0.launch if rank0 is not None else "-")
     placed = [e for e in history.restarts_of(inc) if e.nodes is not None]
     world = (len(placed[-1].nodes) if placed else first) * ranks_per_node
-    view = slurm.job_view(env.get("SLURM_JOB_ID", ""))
+    finished = result_rec.finished(run_dir)
+    # Slurm is asked only when something is to be decided (a stop or a failure): one squeue, and
+    # one sinfo for a job that outlives a lost node.
+    asks = not finished and status != EXIT_USAGE and (pending is not None or status != 0)
+    view = slurm.job_view(env.get("SLURM_JOB_ID", "")) if asks else slurm.JobView(None, None, "not asked")
     node_view = None
-    if slurm.guards_nodes(job):
+    if asks and slurm.guards_nodes(job):
         states, why = slurm.node_states(allocated) if view.nodes is not None and allocated else (None, view.why)
         node_view = Nodes(job.nodes, job.min_nodes or job.nodes, allocated, env.get("SLURMD_NODENAME", ""),
                           view.nodes, states, why or view.why)
@@ -93,11 +98,16 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     saved_at = newest.record.get("time") if newest is not None else None
     started = _int(env, BATCH_START_ENV)
     own = isinstance(saved_at, (int, float)) and started > 0 and saved_at >= started
+    step_ranks = ranks_rec.read_step(run_dir, step, world)
+    began = [r.started for r in step_ranks.values() if r is not None and r.started is not None]
+    since = min(began) if began else float(_int(env, BATCH_START_ENV))
+    errors = {} if status in (0, EXIT_USAGE) or finished else \
+        {r: e for r in range(world) if (e := ranks_rec.error_line(run_dir, r, since - 1.0))}
     inputs = Inputs(
-        status=status, finished=result_rec.finished(run_dir), inc=inc, pending=pending, pending_note=note,
-        ranks=ranks_rec.read_step(run_dir, step, world), ranks_per_node=ranks_per_node,
+        status=status, finished=finished, inc=inc, pending=pending, pending_note=note,
+        ranks=step_ranks, ranks_per_node=ranks_per_node,
         srun_tasks_per_node=srun_tasks_per_node, budgets=budgets(job), history=history, job_signal=job.signal,
         signal_lead=job.signal_lead, now=time.time(), nominal_end=view.nominal_end,
         newest_step=newest.step if newest is not None else 0, own_checkpoint=own,
-        resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view)
+        resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors)
     return inputs, history

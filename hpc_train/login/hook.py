@@ -63,10 +63,11 @@ def act(run_dir: Path, d: Decision, history: RequeueState, target: str, restart:
         if not ok:
             return (f"{d.message}; NOT requeued: scontrol requeue {target} failed: {detail} (nothing charged)",
                     _unrequeued_exit(d), [])
-        requeue_rec.write(run_dir, history.requeued(inc, d.cause or "failure", d.step, now), warn)
+        requeue_rec.write(run_dir, history.requeued(inc, d.cause or "failure", d.step, now, d.error), warn)
         return f"{d.message}; requeued {target}", 0, []
     if d.action in ("stop", "fail"):
-        requeue_rec.write(run_dir, history.not_requeued(inc, d.cause or "failure", d.step, now, d.final or ""), warn)
+        requeue_rec.write(run_dir, history.not_requeued(inc, d.cause or "failure", d.step, now, d.final or "",
+                                                        d.error), warn)
         return d.message, d.exit_code, []
     if d.action == "in_place":
         assert d.restart is not None

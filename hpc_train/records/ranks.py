@@ -164,6 +164,20 @@ def age(run_dir: Path, rank: int, now: float | None = None) -> float | None:
         return None
 
 
+def error_line(run_dir: Path, rank: int, since: float) -> str | None:
+    """The first line of rank ``rank``'s error file (``logs/rank-R.error``, which says why it
+    failed), if it was written at or after ``since``; None otherwise."""
+    p = rundir.rank_error(run_dir, rank)
+    try:
+        if p.stat().st_mtime < since:
+            return None
+    except OSError:
+        return None
+    text, _ = rundir.read_text(p)
+    line = next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), None)
+    return line[:300] if line else None
+
+
 def clear(run_dir: Path) -> None:
     """Before a local launch: every rank's record is the new launch's, none an earlier one's."""
     for r in present(run_dir):

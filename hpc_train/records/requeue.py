@@ -61,6 +61,7 @@ class Requeue:
     step: int | None          # the step it had saved (None: unknown, a script's own)
     time: float
     requeued: bool
+    error: str | None = None  # a failure's first error line (the rank that failed first)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class InPlace:
     lost: tuple[str, ...] = ()
     world_size: int | None = None
     world_before: int | None = None
+    error: str | None = None                # the failed step's first error line
 
     def of(self, inc: Incarnation) -> bool:
         return self.job == inc.target and self.restart == inc.restart
@@ -110,14 +112,22 @@ class RequeueState:
         return next((e for e in self.events if e.key == inc.key), None)
 
     # -- transitions: the only ways the history changes ----------------------------------------
-    def requeued(self, inc: Incarnation, cause: str, step: int | None, now: float) -> RequeueState:
+    def requeued(self, inc: Incarnation, cause: str, step: int | None, now: float,
+                 error: str | None = None) -> RequeueState:
         """``scontrol requeue`` went through for ``inc``: counted now, never before."""
-        return replace(self, events=(*self.events, Requeue(inc.key, cause, step, now, True)),
+        return replace(self, events=(*self.events, Requeue(inc.key, cause, step, now, True, error)),
                        requeued_at=(*self.requeued_at, now), final=None)
 
-    def not_requeued(self, inc: Incarnation, cause: str, step: int | None, now: float, final: str) -> RequeueState:
-        """A stop or failure whose budget was spent: recorded, with the line that ends the job."""
-        return replace(self, events=(*self.events, Requeue(inc.key, cause, step, now, False)), final=final)
+    def not_requeued(self, inc: Incarnation, cause: str, step: int | None, now: float, final: str,
+                     error: str | None = None) -> RequeueState:
+        """A stop or failure that ends the job: recorded, with the line that says why."""
+        return replace(self, events=(*self.events, Requeue(inc.key, cause, step, now, False, error)), final=final)
+
+    def last_failure(self) -> tuple[int | None, str | None] | None:
+        """(step, error line) of the newest failure restarted or requeued; None when none was."""
+        tried = [(e.time, e.step, e.error) for e in self.in_place]
+        tried += [(e.time, e.step, e.error) for e in self.events if e.cause == "failure" and e.requeued]
+        return max(tried, key=lambda t: t[0])[1:] if tried else None
 
     def restarted(self, entry: InPlace) -> RequeueState:
         return replace(self, in_place=(*self.in_place, entry))
@@ -131,7 +141,7 @@ def _event(d: Any) -> Requeue:
     if not isinstance(d, dict):
         raise Bad(f"is {d!r}, not an object")
     return Requeue(fields.text(d, "key"), fields.text(d, "cause", choices=CAUSES), fields.opt_count(d, "step"),
-                   fields.number(d, "time"), fields.flag(d, "requeued"))
+                   fields.number(d, "time"), fields.flag(d, "requeued"), fields.opt_text(d, "error"))
 
 
 def _restart(d: Any) -> InPlace:
@@ -141,7 +151,7 @@ def _restart(d: Any) -> InPlace:
     return InPlace(fields.text(d, "job"), fields.opt_count(d, "restart"), fields.opt_count(d, "step"),
                    fields.number(d, "time"), fields.count(d, "charge", 1, lo=1, hi=MAX_CHARGE), nodes,
                    fields.names(d, "lost"), fields.opt_count(d, "world_size", lo=1),
-                   fields.opt_count(d, "world_before", lo=1))
+                   fields.opt_count(d, "world_before", lo=1), fields.opt_text(d, "error"))
 
 
 def read(run_dir: Path) -> RequeueState:
