@@ -69,17 +69,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.target is not None and sweep_report.is_sweep(Path(args.target)):
         return sweep_report.print_status(Path(args.target))
     pairs = _resolve(args.target)
-    states = scheduler.query([j for _, ids in pairs for j in ids]) if any(ids for _, ids in pairs) else {}
+    answer = scheduler.query([j for _, ids in pairs for j in ids])
     for run_dir, ids in pairs:
         print(f"{run_dir or '(unknown run directory)'}")
         for jid in ids[-1:] if run_dir else ids:
-            st = states.get(jid)
-            if st is None:
-                print(f"  job {jid}: not known to the scheduler (finished long ago, or another cluster)")
-            else:
-                extra = f", reason {st.reason}" if st.reason and st.reason != "None" else ""
-                print(f"  job {jid}: {st.state} on {st.nodes or '-'}, elapsed {st.elapsed or '-'}, "
-                      f"restarts {st.restarts}{extra}")
+            print(f"  job {jid}: {_job_line(answer, jid)}")
         if run_dir is None:
             continue
         # What cannot be read is named at the end; everything else is still shown.
@@ -121,6 +115,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         for what in unread:
             print(f"  could not read: {what}")
     return 0
+
+
+def _job_line(answer: scheduler.Answer, jid: str) -> str:
+    """A job as the scheduler sees it; a query that failed makes it unknown, never ended."""
+    st = answer.states.get(jid)
+    if answer.live(jid) is None:
+        last = f"; sacct's last record: {st.state}" if st is not None else ""
+        return f"unknown, the scheduler did not answer ({answer.squeue_failed}){last}"
+    if st is None:
+        if answer.sacct_failed:
+            return f"not in the queue (ended); its final state is unknown: {answer.sacct_failed}"
+        return "not known to the scheduler (finished long ago, or another cluster)"
+    extra = f", reason {st.reason}" if st.reason and st.reason != "None" else ""
+    restarts = "unknown" if answer.sacct_failed else st.restarts
+    return f"{st.state} on {st.nodes or '-'}, elapsed {st.elapsed or '-'}, restarts {restarts}{extra}"
 
 
 def _local_state(run_dir: Path, unread: list[str]) -> str:
@@ -213,8 +222,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
                     return 0
             if ids and time.monotonic() - last_query > 10:
                 last_query = time.monotonic()
-                st = scheduler.query(ids[-1:]).get(ids[-1])
-                if st is not None and st.final and st.state.split()[0] != "PREEMPTED":
+                st = scheduler.query(ids[-1:]).final(ids[-1])     # None while live or unknown
+                if st is not None and st.state.split()[0] != "PREEMPTED":
                     return 0
             time.sleep(delay)
             delay = min(2.0, delay * 1.5)
@@ -233,7 +242,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     (run_dir, ids), = _resolve(args.target)
     if not ids:
         raise UsageError(f"cancel: {run_dir} has no submitted job (job.json)")
-    live = [j for j, st in scheduler.query(ids).items() if not st.final]
+    answer = scheduler.query(ids)
+    unknown = [j for j in ids if answer.live(j) is None]
+    if unknown:   # a job that may be live is never called ended; scancel would not get through either
+        print(f"hpc_train: error: cannot tell whether job {', '.join(unknown)} is still live: "
+              f"{answer.squeue_failed}; nothing cancelled", file=sys.stderr)
+        return 1
+    live = [j for j in ids if answer.live(j)]
     if not live:
         print(f"nothing to cancel: {', '.join(ids)} already ended")
         return 0
