@@ -16,7 +16,7 @@ from pathlib import Path
 from hpc_train import rundir
 from hpc_train.errors import UsageError
 from hpc_train.login import scheduler
-from hpc_train.logs import metrics_problem, read_metrics
+from hpc_train.logs import metrics_tail
 
 
 def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
@@ -85,18 +85,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  local run: {_local_state(run_dir, unread)}")
         elif not (run_dir / rundir.RESULT).exists():
             print(f"  if it stops: {resume_point(run_dir)}")
-        problem = metrics_problem(run_dir)
-        if problem is not None:
-            unread.append(f"metrics.jsonl {problem}")
-        records = read_metrics(run_dir)
-        steps = [m for m in records if "loss" in m]
-        if steps:
-            last = steps[-1]
+        tail = metrics_tail(run_dir)     # read from the end: a long run's file is big
+        if tail.problem is not None:
+            unread.append(f"{rundir.METRICS} {tail.problem}")
+        last = tail.last_step
+        if last is not None:
             epoch = f", epoch {last['epoch']}" if "epoch" in last else ""
             print(f"  last step {last['step']}{epoch}, loss {_num(last['loss'])}")
-        evals = [m for m in records if "eval_acc" in m]
-        if evals:
-            print(f"  last eval: accuracy {_num(evals[-1]['eval_acc'])} at step {evals[-1]['step']}")
+        if tail.last_eval is not None:
+            print(f"  last eval: accuracy {_num(tail.last_eval['eval_acc'])} at step {tail.last_eval['step']}")
         if (run_dir / rundir.RESULT).exists():
             print("  finished: result.json written")
         budget = _budget_line(run_dir, unread)
@@ -185,6 +182,9 @@ def resume_point(run_dir: Path) -> str:
     return "no checkpoint: a rerun starts from step 0"
 
 
+_PIECE = 1 << 20     # how much of a log is read at a time
+
+
 def _log_path(run_dir: Path, rank: int) -> Path:
     return rundir.rank_log(run_dir, rank)
 
@@ -195,13 +195,15 @@ def cmd_logs(args: argparse.Namespace) -> int:
         raise UsageError(f"logs: job {args.target} is not in any run directory under runs/; give the RUN_DIR")
     path = _log_path(run_dir, args.rank)
     if not args.follow:
-        from hpc_train.rundir import read_text
-        text, problem = read_text(path)
+        import io
+        import shutil
+        f, problem = rundir.open_read(path)
         if problem is not None:
             raise UsageError(f"logs: {path} {problem}")
-        if text is None:
+        if f is None:
             raise UsageError(f"logs: {path} does not exist yet (has rank {args.rank} started?)")
-        sys.stdout.write(text)
+        with io.TextIOWrapper(f, encoding="utf-8", errors="replace", newline="") as text:
+            shutil.copyfileobj(text, sys.stdout, _PIECE)    # in pieces: a long run's log is big
         return 0
     # Follow: print what exists, then poll for more until the job is final (backing off).
     pos, delay, last_query = 0, 0.2, 0.0
@@ -210,14 +212,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
             if path.is_file():
                 with path.open(errors="replace") as f:
                     f.seek(pos)
-                    chunk = f.read()
+                    while chunk := f.read(_PIECE):
+                        sys.stdout.write(chunk)
+                        sys.stdout.flush()
+                        delay = 0.2
                     pos = f.tell()
-                if chunk:
-                    sys.stdout.write(chunk)
-                    sys.stdout.flush()
-                    delay = 0.2
             if not ids and not chunk_pending(path, pos):
-                from hpc_train import rundir
                 if rundir.busy(run_dir) is None:     # a local run that ended (or never ran): all read
                     return 0
             if ids and time.monotonic() - last_query > 10:
