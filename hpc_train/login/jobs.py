@@ -189,10 +189,40 @@ def _log_path(run_dir: Path, rank: int) -> Path:
     return rundir.rank_log(run_dir, rank)
 
 
+def _rank_count(run_dir: Path, submitted: bool) -> int | None:
+    """How many ranks the run has, as far as its files tell: one more than the highest rank with
+    a log, an error record or a heartbeat, and for a submitted run at least job.nodes x tasks per
+    node from its config.yaml (`run --nproc N` does not record N there). None when nothing says."""
+    import re
+    seen = [int(m[1]) for d in (run_dir / rundir.LOGS, rundir.heartbeat_path(run_dir, 0).parent)
+            for p in (d.iterdir() if d.is_dir() else ()) if (m := re.fullmatch(r"rank-(\d+)(\.log|\.error)?", p.name))]
+    count = max(seen) + 1 if seen else 0
+    if submitted:
+        import yaml
+        try:
+            job = (yaml.safe_load((run_dir / rundir.CONFIG).read_text()) or {}).get("job") or {}
+            nodes, tasks, gpus = (job.get(k, d) for k, d in (("nodes", 1), ("tasks_per_node", 0), ("gpus_per_node", 0)))
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            nodes = None     # a damaged config: the files alone say it (status names the damage)
+        if all(type(v) is int and v >= 0 for v in (nodes, tasks, gpus)):
+            count = max(count, nodes * (tasks or max(1, gpus)))
+    return count or None
+
+
+def _check_rank(run_dir: Path, rank: int, submitted: bool) -> None:
+    count = _rank_count(run_dir, submitted)
+    if rank < 0 or count is not None and rank >= count and (submitted or rundir.busy(run_dir) is None):
+        have = "" if count is None else (f": this run has ranks 0-{count - 1}" if count > 1 else
+                                          ": this run has rank 0 only")
+        raise UsageError(f"logs: rank {rank} is out of range{have}")
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     (run_dir, ids), = _resolve(args.target)
     if run_dir is None:
         raise UsageError(f"logs: job {args.target} is not in any run directory under runs/; give the RUN_DIR")
+    # A live local run may not have started every rank yet, and records its count nowhere.
+    _check_rank(run_dir, args.rank, bool(ids))
     path = _log_path(run_dir, args.rank)
     if not args.follow:
         import io
