@@ -80,11 +80,6 @@ def is_sweep(path: Path) -> bool:
     return (Path(path) / MANIFEST).exists()
 
 
-def latest_job(task: dict[str, Any]) -> str | None:
-    """The job id (``ARRAY_INDEX``, or a plain id for a one-task submission) a task last ran as."""
-    return task["jobs"][-1] if task.get("jobs") else None
-
-
 def _records(run_dir: Path, tail: bool) -> list[dict[str, Any]]:
     path = run_dir / rundir.METRICS
     try:
