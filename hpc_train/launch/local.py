@@ -205,7 +205,7 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     """Start, supervise and reap the workers. Returns the exit code for the CLI.
 
     ``hang_s`` (``dist.timeout_s``): a rank whose heartbeat is older than this has stopped
-    responding (see :mod:`hpc_train.watchdog`); it is named, every rank writes its stack, and
+    responding (see :mod:`hpc_train.node.watchdog`); it is named, every rank writes its stack, and
     the run ends. ``lock_fd``: the run directory's lock, held by every worker too. ``script``: the
     workers run a ``--script`` (a stop reaches it as SIGTERM; the message says so)."""
     from hpc_train.node import watchdog

@@ -2,7 +2,7 @@
 
 A target is a run directory (its ``job.json`` names its jobs) or a job id (the run directory is
 found among ``runs/*``). Scheduler calls are batched across every job shown (see
-:mod:`hpc_train.scheduler`).
+:mod:`hpc_train.login.scheduler`).
 """
 
 from __future__ import annotations

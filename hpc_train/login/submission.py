@@ -102,7 +102,7 @@ def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str
         additional_parameters={"requeue": True, "open-mode": "append", "signal": f"{job.signal}@{job.signal_lead}"},
         # One dead task ends the step (so the others do not wait on it for a collective timeout).
         srun_args=["--kill-on-bad-exit=1"],
-        # After srun: the one requeue, from the batch shell (see hpc_train.login.requeue).
+        # After srun: the one requeue, from the batch shell (see hpc_train.login.hook).
         teardown=["status=$?", f"RUN_DIR={shlex.quote(str(run_dir))}",
                   *requeue.after_srun_lines(shlex.quote(sys.executable), tasks), 'exit "$status"'],
     )
