@@ -121,9 +121,10 @@ def test_wait_goes_on_through_a_failed_query(tmp_path, monkeypatch):
     run; then the job runs again, then it completes. wait returns the completion, and each poll
     is one squeue and one sacct call."""
     count = f'c={tmp_path}/n.$(basename $0); n=$(( $(cat $c 2>/dev/null || echo 0) + 1 )); echo $n > $c'
-    env = _tools(tmp_path,
-                 squeue=f'{count}\n[ $n -eq 1 ] && {{ {_down("squeue")}; }}\n[ $n -eq 2 ] && echo "5|RUNNING|node2|0:01|None"\nexit 0',
-                 sacct=f'{count}\necho "5|NODE_FAIL|node1|00:00:05|0:0"\n[ $n -ge 3 ] && echo "5|COMPLETED|node2|00:00:09|0:0"\nexit 0')
+    squeue = f'{count}\n[ $n -eq 1 ] && {{ {_down("squeue")}; }}\n[ $n -eq 2 ] && echo "5|RUNNING|node2|0:01|None"\nexit 0'
+    sacct = (f'{count}\necho "5|NODE_FAIL|node1|00:00:05|0:0"\n'
+             '[ $n -ge 3 ] && echo "5|COMPLETED|node2|00:00:09|0:0"\nexit 0')
+    env = _tools(tmp_path, squeue=squeue, sacct=sacct)
     monkeypatch.setenv("PATH", env["PATH"])
     seen = []
     final = scheduler.wait(["5"], on_change=lambda answer: seen.append(getattr(answer, "failed", answer)))
