@@ -306,7 +306,6 @@ def load(path: str | Path | None, overrides: list[str] = (), extra: dict[str, An
 
 # Torch-free rules of the config that the CLI checks before any worker starts.
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
-PRECISIONS = ("fp32", "bf16", "fp16")
 OPT_LEVELS = {"O0": "fp32", "O1": "fp16", "O2": "fp16"}   # Apex's names (hpc_train.node.precision)
 STRATEGIES = ("ddp", "fsdp", "dp", "allreduce", "split", "none")   # hpc_train.node.strategies
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpc_train import rundir
 from hpc_train.errors import UsageError
-from hpc_train.rundir import read_text
 
 log = logging.getLogger("hpc_train")
 
@@ -62,50 +62,106 @@ def metric(line: str) -> dict[str, Any] | None:
     return None
 
 
+# A metrics record is a few hundred bytes. A longer "line" is damage, and is read in pieces of
+# this size so that a file with no newline in it is never held whole.
+_LINE_MAX = 1 << 20
+
+
 def truncate_jsonl(path: Path, keep_through_step: int) -> None:
     """Drop records after ``keep_through_step`` (written after the checkpoint we resume from).
-    Lines that are not records are set aside in ``NAME.damaged-<time>`` with one warning (a
-    last line cut short by a kill is only dropped); a file that cannot be read at all is moved
-    aside whole, and the run starts a new one."""
-    from hpc_train.rundir import damaged_name, set_aside, write_atomic
-    text, problem = read_text(path)
+    The file is read and rewritten line by line, whatever its size. Lines that are not records
+    are set aside in ``NAME.damaged-<time>`` with one warning (a last line cut short by a kill
+    is only dropped); a file that cannot be read at all is moved aside whole, and the run
+    starts a new one."""
+    from contextlib import ExitStack
+
+    from hpc_train.rundir import atomic_writer, damaged_name, open_read, set_aside
+    f, problem = open_read(path)
     if problem is not None:
         set_aside(path, problem, log.warning)
         return
-    if text is None:
+    if f is None:
         return
-    kept, damaged = [], []
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        rec = metric(line)
-        if rec is None:
-            if line.strip() and not (i == len(lines) - 1 and not text.endswith("\n")):
-                damaged.append(line)
-            continue
-        # An eval at the resume step ran after that checkpoint; the resumed run repeats it.
-        if rec["step"] < keep_through_step or (rec["step"] == keep_through_step and "eval_acc" not in rec):
-            kept.append(line)
+    aside, damaged, overlong = None, 0, False
+    with f, ExitStack() as stack:
+        out = stack.enter_context(atomic_writer(path))
+        while raw := f.readline(_LINE_MAX):
+            ended = raw.endswith(b"\n")
+            rec = None if overlong or not ended and len(raw) == _LINE_MAX else metric(raw.decode("utf-8", "replace"))
+            if rec is None:
+                # Not a record; only a last line without its newline (cut by a kill) is no damage.
+                if overlong or raw.strip() and (ended or len(raw) == _LINE_MAX):
+                    if aside is None:
+                        aside = damaged_name(path)
+                        aside_f = stack.enter_context(atomic_writer(aside))
+                    aside_f.write(raw)
+                    damaged += not overlong
+                overlong = not ended
+                continue
+            # An eval at the resume step ran after that checkpoint; the resumed run repeats it.
+            if rec["step"] < keep_through_step or (rec["step"] == keep_through_step and "eval_acc" not in rec):
+                out.write(raw if ended else raw + b"\n")
     if damaged:
-        aside = damaged_name(path)
-        write_atomic(aside, "".join(line + "\n" for line in damaged))
         log.warning("%s: %d line(s) are not metrics records (an object with an integer step); moved to %s, "
-                    "and the run goes on without them", path, len(damaged), aside.name)
-    write_atomic(path, "".join(line + "\n" for line in kept))
+                    "and the run goes on without them", path, damaged, aside.name)
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Every record of ``metrics.jsonl`` (objects with an integer ``step``); anything else there
-    is skipped. Never raises: see :func:`metrics_problem` for a file that cannot be read."""
-    text, _ = read_text(Path(run_dir) / rundir.METRICS)
-    return [rec for line in (text or "").splitlines() if (rec := metric(line)) is not None]
+@dataclass
+class MetricsTail:
+    """What ``status`` shows of ``metrics.jsonl``, read from its end."""
+    last_step: dict[str, Any] | None = None   # the newest record with a loss
+    last_eval: dict[str, Any] | None = None   # the newest with an eval_acc
+    problem: str | None = None                # the file cannot be read, or lines of it are not records
 
 
-def metrics_problem(run_dir: Path) -> str | None:
-    """What is wrong with ``metrics.jsonl``, if anything: it cannot be read (a directory in its
-    place...), or lines of it are not records (a last line cut short by a kill aside)."""
-    text, problem = read_text(Path(run_dir) / rundir.METRICS)
-    if problem is not None or not text:
-        return problem
-    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
-    bad = sum(1 for line in lines if line.strip() and metric(line) is None)
-    return f"has {bad} line(s) that are not records (an object with an integer step)" if bad else None
+# status reads backwards from the end, a block at a time, until it has the newest step and eval;
+# it goes no further than this for an eval (what it once read whole), so memory stays one block.
+_BLOCK = 1 << 20
+_TAIL_SCAN = 64 << 20
+
+
+def metrics_tail(run_dir: Path) -> MetricsTail:
+    """The newest step and eval of ``metrics.jsonl``, read from its end in blocks; anything read
+    that is not a record is counted in ``problem`` (a last line cut short by a kill aside)."""
+    import os
+
+    from hpc_train.rundir import open_read
+    tail = MetricsTail()
+    f, tail.problem = open_read(Path(run_dir) / rundir.METRICS)
+    if f is None:
+        return tail
+    bad, seen, carry, skipping = 0, 0, b"", False
+    try:
+        with f:
+            size = pos = os.fstat(f.fileno()).st_size
+            while pos > 0 and not (tail.last_step and (tail.last_eval or size - pos >= _TAIL_SCAN)):
+                n = min(_BLOCK, pos)
+                pos -= n
+                f.seek(pos)
+                lines = (f.read(n) + carry).split(b"\n")
+                if skipping:    # this block ends inside an overlong line, counted already
+                    if len(lines) == 1:
+                        continue
+                    lines.pop()
+                    skipping = False
+                carry = lines.pop(0) if pos > 0 else b""   # it may begin in the block before
+                if len(carry) > _LINE_MAX:
+                    bad, carry, skipping = bad + 1, b"", True
+                for raw in reversed(lines):
+                    # The first seen is what follows the last newline: nothing, or a line cut by a kill.
+                    seen += 1
+                    rec = metric(raw.decode("utf-8", "replace")) if raw.strip() else None
+                    if rec is None:
+                        bad += bool(raw.strip()) and seen > 1
+                        continue
+                    if tail.last_step is None and "loss" in rec:
+                        tail.last_step = rec
+                    if tail.last_eval is None and "eval_acc" in rec:
+                        tail.last_eval = rec
+    except OSError as e:
+        tail.problem = f"cannot be read ({e.strerror or type(e).__name__})"
+        return tail
+    if bad:
+        where = f" in the last {max(1, (size - pos) >> 20)} MiB read" if pos else ""
+        tail.problem = f"has {bad} line(s) that are not records (an object with an integer step){where}"
+    return tail

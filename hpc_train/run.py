@@ -110,7 +110,7 @@ class Run:
 
     def wrap(self, model: nn.Module, stages: Sequence[nn.Module] | None = None) -> nn.Module:
         """Move ``model`` to this rank's device and wrap it as ``dist.strategy`` says (see
-        :mod:`hpc_train.strategies`; DDP by default, when there is more than one rank). Under
+        :mod:`hpc_train.node.strategies`; DDP by default, when there is more than one rank). Under
         ``split``, ``stages`` are the model's parts in the order they apply (default: the
         model's ``stages()``). Every strategy keeps the per-step stop agreement."""
         from hpc_train.node import strategies

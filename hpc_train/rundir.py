@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 CONFIG = "config.yaml"          # the resolved config
 SUBMISSION = "submission.sh"    # the batch script of the last `submit`, as submitted
@@ -39,7 +42,16 @@ BATCH_START_ENV = "HPC_TRAIN_BATCH_START"   # when the batch shell started (its 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Replace ``path`` in one rename, so a reader (or a kill) never sees half a file. Every
-    record in a run directory is written this way, and only this way.
+    record in a run directory is written this way (or through :func:`atomic_writer`), and only
+    this way."""
+    with atomic_writer(path) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+@contextmanager
+def atomic_writer(path: Path) -> Iterator[BinaryIO]:
+    """A new file, written in pieces, that replaces ``path`` in one rename when the block ends
+    without an error (and is removed when it does not): for what is too big to hold whole.
 
     The temporary file is created new (``O_EXCL``) and never through a symlink (``O_NOFOLLOW``),
     and the rename replaces a symlink at ``path`` instead of writing to where it points: a link
@@ -48,7 +60,6 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     import os
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    raw = data.encode() if isinstance(data, str) else data
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except FileExistsError:   # left by a process of ours that died mid-write (same pid reused)
@@ -56,7 +67,7 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(raw)
+            yield f
         if path.is_dir() and not path.is_symlink():   # a directory where the record belongs
             set_aside(path, "is a directory, not a record", logging.getLogger("hpc_train").warning)
         os.replace(tmp, path)
@@ -207,36 +218,50 @@ def open_append(path: Path, binary: bool = False):
     return os.fdopen(fd, "ab" if binary else "a")
 
 
-_MAX_RECORD = 64 << 20   # a record larger than this is damage, not something to read into memory
+_MAX_RECORD = 64 << 20   # a JSON record larger than this is damage, not something to read into memory
 
 
-def read_text(path: Path) -> tuple[str | None, str | None]:
-    """A run-directory file's text, taking whatever bytes are there: (text, None); (None, None)
-    when it does not exist; (None, what is wrong) when it cannot be read (a directory or FIFO
-    in its place, unreadable, too large). Bytes that are not UTF-8 become U+FFFD, so a reader
-    of lines sees a bad line, not an exception."""
+def open_read(path: Path) -> tuple[BinaryIO | None, str | None]:
+    """A run-directory file opened for reading in pieces, whatever its size (a log,
+    ``metrics.jsonl``): (file, None); (None, None) when it does not exist; (None, what is wrong)
+    when it cannot be read (a directory or FIFO in its place, unreadable)."""
     import os
     import stat
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO must not block the open
     except FileNotFoundError:
         return None, None
     except OSError as e:
         return None, f"cannot be read ({e.strerror or type(e).__name__})"
     try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            return None, "is a directory, not a file"
-        if not stat.S_ISREG(st.st_mode):
-            return None, "is not a regular file"
-        if st.st_size > _MAX_RECORD:
-            return None, f"is {st.st_size} bytes, too large for a record"
-        with os.fdopen(os.dup(fd), "rb") as f:
+        mode = os.fstat(fd).st_mode
+    except OSError as e:
+        os.close(fd)
+        return None, f"cannot be read ({e.strerror or type(e).__name__})"
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        return None, "is a directory, not a file" if stat.S_ISDIR(mode) else "is not a regular file"
+    return os.fdopen(fd, "rb"), None
+
+
+def read_text(path: Path) -> tuple[str | None, str | None]:
+    """A run-directory record's text, taking whatever bytes are there: (text, None); (None, None)
+    when it does not exist; (None, what is wrong) when it cannot be read (a directory or FIFO
+    in its place, unreadable, too large for a record). Bytes that are not UTF-8 become U+FFFD,
+    so a reader of lines sees a bad line, not an exception. Logs and metrics, which grow with
+    the run, are read in pieces through :func:`open_read` instead."""
+    import os
+    f, problem = open_read(path)
+    if f is None:
+        return None, problem
+    try:
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_RECORD:
+                return None, f"is {size} bytes, too large for a record"
             raw = f.read(_MAX_RECORD + 1)
     except OSError as e:
         return None, f"cannot be read ({e.strerror or type(e).__name__})"
-    finally:
-        os.close(fd)
     return raw.decode("utf-8", errors="replace"), None
 
 

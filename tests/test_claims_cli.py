@@ -54,7 +54,7 @@ def test_logs_of_a_real_run_imports_no_torch(py, clean_env, tmp_path, tiny_run):
     assert res["code"] == 0, res["stderr"]
     assert res["stdout"] == (tiny_run / "logs" / "rank-1.log").read_text() and "[rank 1]" in res["stdout"]
     res = _probe(py, clean_env, tmp_path, "logs", tiny_run, "--rank", "5")      # no such rank: one line
-    assert res["code"] == 2 and "rank-5.log does not exist" in res["stderr"], res
+    assert res["code"] == 2 and "rank 5 is out of range: this run has ranks 0-1" in res["stderr"], res
 
 
 def test_cancel_without_a_job_fails_cleanly_and_imports_no_torch(py, clean_env, tmp_path, tiny_run):

@@ -8,6 +8,7 @@ in ``make test``), which also keeps ``hpc_train.records.io`` out of reach of non
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,45 @@ def test_every_record_has_one_reader_and_one_writer():
         src = Path(mod.__file__).read_text()
         assert re.search(r"read_json\(", src), f"{mod.__name__} has no reader"
         assert re.search(r"write_json\(|write_atomic\(", src), f"{mod.__name__} has no writer"
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """What a module defines or imports at its top level (``if TYPE_CHECKING:`` blocks excluded:
+    nothing there exists at run time)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _resolve(ref: str) -> str | None:
+    """None when ``hpc_train.a.b[.name...]`` is a module of the package, or a name at the top of
+    the longest module it starts with; else what is missing."""
+    parts = ref.split(".")
+    for i in range(len(parts), 0, -1):
+        base = PKG.parent.joinpath(*parts[:i])
+        module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if module.is_file():
+            rest = parts[i:]
+            if rest and rest[0] not in _top_level_names(module):
+                return f"{module.relative_to(PKG.parent)} has no {rest[0]}"
+            return None
+    return "no such module"
+
+
+REFS = sorted({(p, m[0].rstrip(".")) for p in PKG.rglob("*") if p.suffix in (".py", ".sbatch")
+               for m in re.finditer(r"hpc_train(\.[A-Za-z_]\w*)+", p.read_text())})
+
+
+def test_every_dotted_name_in_the_package_resolves():
+    """Docstrings and comments that name ``hpc_train.X`` (``:mod:`` links and plain mentions)
+    name a module that exists, or a name defined at the top of one."""
+    assert len(REFS) > 100
+    wrong = [f"{p.relative_to(PKG)}: {ref} ({why})" for p, ref in REFS if (why := _resolve(ref))]
+    assert not wrong, "\n".join(wrong)

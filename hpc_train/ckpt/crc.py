@@ -54,8 +54,8 @@ class _Summing:
             raise
         if n != view.nbytes:
             raise OSError(f"short write: {n} of {view.nbytes} bytes")
-        # DCP hands over memoryviews of whole tensors: summed in place (a copy of a 100 MB view
-        # costs 3x both CRCs), _PIECE bytes at a time so the second CRC finds them in cache.
+        # DCP hands over memoryviews of whole tensors: summed in place (copying a large view costs
+        # more than both CRCs together), _PIECE bytes at a time so the second CRC finds them in cache.
         for i in range(0, n, _PIECE):
             piece = view[i:i + _PIECE]
             self.crc = extend(self.crc, piece)

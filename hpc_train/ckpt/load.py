@@ -2,7 +2,7 @@
 
 Each rank checks the checksums of what it reads as it reads it (:mod:`hpc_train.ckpt.safe`), so
 nothing is read twice and no rank reads what it does not load. A mismatch raises
-:class:`CheckpointError`, like any failed load: :meth:`hpc_train.Run.restore` then moves every
+:class:`CheckpointError`, like any failed load: :meth:`hpc_train.run.Run.restore` then moves every
 rank on to the next older checkpoint together.
 """
 

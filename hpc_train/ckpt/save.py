@@ -139,10 +139,9 @@ class Checkpointer:
         if overlap:
             self._hook_optimizers(state, kinds)
         dcp_st = dcp_state(state, kinds, copy_buffers=overlap)
-        # IO_THREADS writer threads per rank: one thread's fsync overlaps another's serialization
-        # (234 MB, 2 ranks, 2 cores: fsync'd saves 15-35% faster than DCP's default of 1;
-        # benchmarks/checkpoint.py). For a 14 MB state, one thread measured no better (4
-        # interleaved runs of benchmarks/overhead.py with a save every 10 steps: 0.97x).
+        # IO_THREADS writer threads per rank: one thread's fsync overlaps another's serialization,
+        # so a large fsync'd save is faster than with DCP's default of one (benchmarks/checkpoint.py
+        # measures it); a small state gains nothing from a single thread either (benchmarks/overhead.py).
         # An async save writes behind the loop with one thread, at a lower priority: the training
         # threads keep the CPU (a sync save has the machine to itself: IO_THREADS, full priority).
         background = self.cfg.async_save and not blocking
@@ -157,8 +156,8 @@ class Checkpointer:
             if self.stager is None:
                 # One stager for the run keeps its CPU copy of the state between saves, so a save copies
                 # into warm buffers instead of allocating and faulting in the state's size again (DCP's
-                # default: a new stager per call). 234 MB on 2 ranks: the save blocks for 0.04-0.08 s instead
-                # of 0.11-0.23 s (benchmarks/checkpoint.py). The copy stays allocated between saves (DCP's
+                # default: a new stager per call), so the loop is blocked for a shorter time at each save
+                # (benchmarks/checkpoint.py measures it). The copy stays allocated between saves (DCP's
                 # default allocates as much at every save). Safe: one save in flight (wait() above), so no
                 # background write still reads the buffers when the next save refills them.
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions

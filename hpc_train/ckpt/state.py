@@ -1,6 +1,6 @@
 """What a checkpoint holds, seen as a mapping of state objects.
 
-A user hands :meth:`hpc_train.Run.restore` / :meth:`~hpc_train.Run.step_end` a dict such as
+A user hands :meth:`hpc_train.run.Run.restore` / :meth:`~hpc_train.run.Run.step_end` a dict such as
 ``{"model": model, "optim": optimizer, "sched": scheduler, "loader": loader, "step": 0}``.
 Each value is one of four kinds, and the kind decides where it is stored:
 

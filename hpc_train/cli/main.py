@@ -13,6 +13,10 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own exit code is 2 too; keep one line
         raise UsageError(f"{self.prog}: {message}")
 
+    def print_help(self, file=None) -> None:
+        # argparse's own ignores a failed write: a closed stdout must reach main() (exit 141).
+        (file or sys.stdout).write(self.format_help())
+
 
 def _add_config_args(p: argparse.ArgumentParser, targets: bool = False) -> None:
     if targets:
@@ -273,6 +277,39 @@ def _refuse_stray(args: argparse.Namespace, extra: list[str], argv: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A reader of stdout that went away (``status | head -1``) ends it quietly,
+    as it ends ``cat``: exit status 141 (128 + SIGPIPE), nothing on stderr."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Output still buffered meets the closed pipe here, not in the interpreter's final flush.
+            if sys.stdout is not None:
+                sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's recipe (its signal docs, "Note on SIGPIPE"): stdout goes to devnull, so that the
+        # final flush of what is still buffered cannot fail again and print a traceback.
+        import os
+        import signal
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has closed it (poll says POLLERR), as
+    opposed to some other pipe that broke (a worker's): that one is an error to report."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):    # no real stdout (an io.StringIO under a test)
+        return False
+
+
+def _main(argv: list[str] | None) -> int:
     ap = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # Everything after the first `--` is the script's own command line, untouched by argparse.
@@ -292,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         print(msg if msg.startswith("python -m hpc_train") else f"hpc_train: error: {msg}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
+        if isinstance(e, BrokenPipeError) and _stdout_gone():
+            raise
         # A full, read-only or unwritable disk is the environment's problem, not a bug: one line.
         from hpc_train.errors import os_error_line
         print(f"hpc_train: error: {os_error_line(e)}", file=sys.stderr)

@@ -42,9 +42,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
           f"(submitit's: {rd / rundir.SUBMITIT})\n  follow: python -m hpc_train logs {rd} -f")
     if not args.wait:
         return 0
-    states = scheduler.wait([str(job.job_id)], on_change=lambda s: print(
-        f"  job {job.job_id}: {s.get(str(job.job_id)).state if str(job.job_id) in s else 'UNKNOWN'}",
-        file=sys.stderr))
-    final = states[str(job.job_id)].state
+    jid = str(job.job_id)
+
+    def show(answer: scheduler.Answer) -> None:
+        st = answer.states.get(jid)
+        state = "unknown" if answer.live(jid) is None or st is None else st.state
+        print(f"  job {jid}: {state}" + (f" ({answer.failed})" if answer.failed else ""), file=sys.stderr)
+    final = scheduler.wait([jid], on_change=show)[jid].state
     print(f"job {job.job_id} ended: {final}")
     return 0 if final == "COMPLETED" else 1

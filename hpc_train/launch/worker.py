@@ -4,7 +4,7 @@
 (``srun python -m hpc_train worker ...``) all call :func:`run_worker`: environment from the
 variables the launcher set -> stop signals -> process group -> the process's ``Run`` -> the
 target (the built-in trainer, ``train.fn``, a submitted callable) -> teardown. A script
-(``train.script``) runs in a child process under :mod:`hpc_train.supervise` instead, which
+(``train.script``) runs in a child process under :mod:`hpc_train.launch.supervise` instead, which
 needs neither torch nor a process group of its own.
 """
 

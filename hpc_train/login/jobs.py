@@ -2,7 +2,7 @@
 
 A target is a run directory (its ``job.json`` names its jobs) or a job id (the run directory is
 found among ``runs/*``). Scheduler calls are batched across every job shown (see
-:mod:`hpc_train.scheduler`).
+:mod:`hpc_train.login.scheduler`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from hpc_train import rundir
 from hpc_train.errors import UsageError
 from hpc_train.login import scheduler
-from hpc_train.logs import metrics_problem, read_metrics
+from hpc_train.logs import metrics_tail
 
 
 def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
@@ -69,17 +69,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.target is not None and sweep_report.is_sweep(Path(args.target)):
         return sweep_report.print_status(Path(args.target))
     pairs = _resolve(args.target)
-    states = scheduler.query([j for _, ids in pairs for j in ids]) if any(ids for _, ids in pairs) else {}
+    answer = scheduler.query([j for _, ids in pairs for j in ids])
     for run_dir, ids in pairs:
         print(f"{run_dir or '(unknown run directory)'}")
         for jid in ids[-1:] if run_dir else ids:
-            st = states.get(jid)
-            if st is None:
-                print(f"  job {jid}: not known to the scheduler (finished long ago, or another cluster)")
-            else:
-                extra = f", reason {st.reason}" if st.reason and st.reason != "None" else ""
-                print(f"  job {jid}: {st.state} on {st.nodes or '-'}, elapsed {st.elapsed or '-'}, "
-                      f"restarts {st.restarts}{extra}")
+            print(f"  job {jid}: {_job_line(answer, jid)}")
         if run_dir is None:
             continue
         # What cannot be read is named at the end; everything else is still shown.
@@ -91,18 +85,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  local run: {_local_state(run_dir, unread)}")
         elif not result.finished(run_dir):
             print(f"  if it stops: {resume_point(run_dir)}")
-        problem = metrics_problem(run_dir)
-        if problem is not None:
-            unread.append(f"metrics.jsonl {problem}")
-        records = read_metrics(run_dir)
-        steps = [m for m in records if "loss" in m]
-        if steps:
-            last = steps[-1]
+        tail = metrics_tail(run_dir)     # read from the end: a long run's file is big
+        if tail.problem is not None:
+            unread.append(f"{rundir.METRICS} {tail.problem}")
+        last = tail.last_step
+        if last is not None:
             epoch = f", epoch {last['epoch']}" if "epoch" in last else ""
             print(f"  last step {last['step']}{epoch}, loss {_num(last['loss'])}")
-        evals = [m for m in records if "eval_acc" in m]
-        if evals:
-            print(f"  last eval: accuracy {_num(evals[-1]['eval_acc'])} at step {evals[-1]['step']}")
+        if tail.last_eval is not None:
+            print(f"  last eval: accuracy {_num(tail.last_eval['eval_acc'])} at step {tail.last_eval['step']}")
         if result.finished(run_dir):
             print("  finished: result.json written")
         budget = _budget_line(run_dir, unread)
@@ -121,6 +112,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         for what in unread:
             print(f"  could not read: {what}")
     return 0
+
+
+def _job_line(answer: scheduler.Answer, jid: str) -> str:
+    """A job as the scheduler sees it; a query that failed makes it unknown, never ended."""
+    st = answer.states.get(jid)
+    if answer.live(jid) is None:
+        last = f"; sacct's last record: {st.state}" if st is not None else ""
+        return f"unknown, the scheduler did not answer ({answer.squeue_failed}){last}"
+    if st is None:
+        if answer.sacct_failed:
+            return f"not in the queue (ended); its final state is unknown: {answer.sacct_failed}"
+        return "not known to the scheduler (finished long ago, or another cluster)"
+    extra = f", reason {st.reason}" if st.reason and st.reason != "None" else ""
+    restarts = "unknown" if answer.sacct_failed else st.restarts
+    return f"{st.state} on {st.nodes or '-'}, elapsed {st.elapsed or '-'}, restarts {restarts}{extra}"
 
 
 def _local_state(run_dir: Path, unread: list[str]) -> str:
@@ -171,23 +177,60 @@ def resume_point(run_dir: Path) -> str:
     return "no checkpoint: a rerun starts from step 0"
 
 
+_PIECE = 1 << 20     # how much of a log is read at a time
+
+
 def _log_path(run_dir: Path, rank: int) -> Path:
     return rundir.rank_log(run_dir, rank)
+
+
+def _rank_count(run_dir: Path, submitted: bool) -> int | None:
+    """How many ranks the run has, as far as its files tell: one more than the highest rank with
+    a log, an error record or a heartbeat, and for a submitted run at least job.nodes x tasks per
+    node from its config.yaml (`run --nproc N` does not record N there). None when nothing says."""
+    import re
+    from hpc_train.records import ranks
+    logs = run_dir / rundir.LOGS
+    seen = [int(m[1]) for p in (logs.iterdir() if logs.is_dir() else ())
+            if (m := re.fullmatch(r"rank-(\d+)\.(log|error)", p.name))] + ranks.present(run_dir)
+    count = max(seen) + 1 if seen else 0
+    if submitted:
+        import yaml
+        try:
+            job = (yaml.safe_load((run_dir / rundir.CONFIG).read_text()) or {}).get("job") or {}
+            nodes, tasks, gpus = (job.get(k, d) for k, d in (("nodes", 1), ("tasks_per_node", 0), ("gpus_per_node", 0)))
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            nodes = None     # a damaged config: the files alone say it (status names the damage)
+        if all(type(v) is int and v >= 0 for v in (nodes, tasks, gpus)):
+            count = max(count, nodes * (tasks or max(1, gpus)))
+    return count or None
+
+
+def _check_rank(run_dir: Path, rank: int, submitted: bool) -> None:
+    count = _rank_count(run_dir, submitted)
+    if rank < 0 or count is not None and rank >= count and (submitted or rundir.busy(run_dir) is None):
+        have = "" if count is None else (f": this run has ranks 0-{count - 1}" if count > 1 else
+                                          ": this run has rank 0 only")
+        raise UsageError(f"logs: rank {rank} is out of range{have}")
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
     (run_dir, ids), = _resolve(args.target)
     if run_dir is None:
         raise UsageError(f"logs: job {args.target} is not in any run directory under runs/; give the RUN_DIR")
+    # A live local run may not have started every rank yet, and records its count nowhere.
+    _check_rank(run_dir, args.rank, bool(ids))
     path = _log_path(run_dir, args.rank)
     if not args.follow:
-        from hpc_train.rundir import read_text
-        text, problem = read_text(path)
+        import io
+        import shutil
+        f, problem = rundir.open_read(path)
         if problem is not None:
             raise UsageError(f"logs: {path} {problem}")
-        if text is None:
+        if f is None:
             raise UsageError(f"logs: {path} does not exist yet (has rank {args.rank} started?)")
-        sys.stdout.write(text)
+        with io.TextIOWrapper(f, encoding="utf-8", errors="replace", newline="") as text:
+            shutil.copyfileobj(text, sys.stdout, _PIECE)    # in pieces: a long run's log is big
         return 0
     # Follow: print what exists, then poll for more until the job is final (backing off).
     pos, delay, last_query = 0, 0.2, 0.0
@@ -196,20 +239,18 @@ def cmd_logs(args: argparse.Namespace) -> int:
             if path.is_file():
                 with path.open(errors="replace") as f:
                     f.seek(pos)
-                    chunk = f.read()
+                    while chunk := f.read(_PIECE):
+                        sys.stdout.write(chunk)
+                        sys.stdout.flush()
+                        delay = 0.2
                     pos = f.tell()
-                if chunk:
-                    sys.stdout.write(chunk)
-                    sys.stdout.flush()
-                    delay = 0.2
             if not ids and not chunk_pending(path, pos):
-                from hpc_train import rundir
                 if rundir.busy(run_dir) is None:     # a local run that ended (or never ran): all read
                     return 0
             if ids and time.monotonic() - last_query > 10:
                 last_query = time.monotonic()
-                st = scheduler.query(ids[-1:]).get(ids[-1])
-                if st is not None and st.final and st.state.split()[0] != "PREEMPTED":
+                st = scheduler.query(ids[-1:]).final(ids[-1])     # None while live or unknown
+                if st is not None and st.state.split()[0] != "PREEMPTED":
                     return 0
             time.sleep(delay)
             delay = min(2.0, delay * 1.5)
@@ -228,7 +269,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     (run_dir, ids), = _resolve(args.target)
     if not ids:
         raise UsageError(f"cancel: {run_dir} has no submitted job (job.json)")
-    live = [j for j, st in scheduler.query(ids).items() if not st.final]
+    answer = scheduler.query(ids)
+    unknown = [j for j in ids if answer.live(j) is None]
+    if unknown:   # a job that may be live is never called ended; scancel would not get through either
+        print(f"hpc_train: error: cannot tell whether job {', '.join(unknown)} is still live: "
+              f"{answer.squeue_failed}; nothing cancelled", file=sys.stderr)
+        return 1
+    live = [j for j in ids if answer.live(j)]
     if not live:
         print(f"nothing to cancel: {', '.join(ids)} already ended")
         return 0

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -127,25 +127,76 @@ class JobState:
         return self.state.split()[0] in FINAL_STATES
 
 
-def _squeue(job_list: str, *flags: str) -> dict[str, JobState]:
-    sq = _run(["squeue", "-h", *flags, "-j", job_list, "-o", "%i|%T|%N|%M|%r"])
-    out: dict[str, JobState] = {}
-    for line in sq.stdout.splitlines():
+@dataclass
+class Answer:
+    """What one query (one ``squeue``, one ``sacct``) said about some jobs.
+
+    A failed query is "unknown", never "ended" (submitit's ``InfoWatcher``). Without ``squeue``
+    no job's liveness is known: sacct's last row may be the final state of a requeued job's
+    earlier run whose next run slurmdbd has not recorded yet. Without ``sacct``, a job squeue
+    no longer lists has ended, but its final state and its restarts are unknown.
+    """
+    states: dict[str, JobState] = field(default_factory=dict)   # every job a query listed
+    squeue_failed: str | None = None    # "squeue failed: <its error>"
+    sacct_failed: str | None = None
+
+    @property
+    def failed(self) -> str | None:
+        """The queries that did not answer, in one line; None when both did."""
+        return "; ".join(f for f in (self.squeue_failed, self.sacct_failed) if f) or None
+
+    def live(self, job_id: str) -> bool | None:
+        """True while the job is queued or running, False once it has left the queue, None when
+        the scheduler did not say."""
+        if self.squeue_failed:
+            return None
+        st = self.states.get(job_id)
+        return st is not None and not st.final
+
+    def final(self, job_id: str) -> JobState | None:
+        """The job's final state, once the scheduler said it; None while live or unknown."""
+        st = self.states.get(job_id)
+        return st if self.live(job_id) is False and st is not None and st.final else None
+
+
+# squeue's answer when asked about one job that has left the queue (slurm_load_job): not a failure.
+_NOT_QUEUED = "Invalid job id specified"
+
+
+def _ask(cmd: list[str], timeout: float = 30) -> tuple[str, str | None]:
+    """A query's output, and None; or "" and one line saying why it did not answer."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise UsageError(f"`{cmd[0]}` is not on PATH; is this a Slurm login node?") from None
+    except subprocess.TimeoutExpired:
+        return "", f"{cmd[0]} did not answer in {timeout:.0f} s"
+    if out.returncode == 0:
+        return out.stdout, None
+    said = [line.strip() for line in (out.stderr + "\n" + out.stdout).splitlines() if line.strip()]
+    if cmd[0] == "squeue" and any(_NOT_QUEUED in line for line in said):
+        return "", None
+    return "", f"{cmd[0]} failed: {said[0][:300] if said else f'exit status {out.returncode}'}"
+
+
+def _squeue(answer: Answer, job_list: str, *flags: str) -> None:
+    text, answer.squeue_failed = _ask(["squeue", "-h", *flags, "-j", job_list, "-o", "%i|%T|%N|%M|%r"])
+    for line in text.splitlines():
         jid, state, nodes, elapsed, reason = (line.split("|") + [""] * 5)[:5]
-        out[jid] = JobState(jid, state, nodes, elapsed, reason=reason)
-    return out
+        answer.states[jid] = JobState(jid, state, nodes, elapsed, reason=reason)
 
 
-def _add_sacct(out: dict[str, JobState], job_list: str) -> None:
+def _add_sacct(answer: Answer, job_list: str) -> None:
     """Restarts of the jobs squeue knows, and the final state of those it no longer lists.
     sacct --duplicates lists every run of a requeued job: the count is the restarts."""
-    sa = _run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", job_list,
-               "-o", "JobID,State,NodeList,Elapsed,ExitCode"])
+    text, answer.sacct_failed = _ask(["sacct", "-n", "-P", "-X", "--duplicates", "-j", job_list,
+                                      "-o", "JobID,State,NodeList,Elapsed,ExitCode"])
     runs: dict[str, list[list[str]]] = {}
-    for line in sa.stdout.splitlines():
+    for line in text.splitlines():
         f = line.split("|")
         if len(f) >= 5:
             runs.setdefault(f[0], []).append(f)
+    out = answer.states
     for jid, rows in runs.items():
         # A job that lost a node under --no-kill keeps a RESIZING row: the same run, shrunk.
         rows = [r for r in rows if r[1] != "RESIZING"] or rows
@@ -156,42 +207,47 @@ def _add_sacct(out: dict[str, JobState], job_list: str) -> None:
             out[jid] = JobState(jid, last[1], last[2], last[3], restarts=len(rows) - 1, exit_code=last[4])
 
 
-def query(ids: list[str]) -> dict[str, JobState]:
-    """States of many jobs in at most two scheduler calls: squeue, then sacct for the rest."""
+def query(ids: list[str]) -> Answer:
+    """States of many jobs in two scheduler calls, whether or not either answers: squeue, then
+    sacct for the rest."""
     ids = [i for i in dict.fromkeys(ids) if i]
-    if not ids:
-        return {}
-    out = _squeue(",".join(ids))
-    _add_sacct(out, ",".join(ids))
-    return out
+    answer = Answer()
+    if ids:
+        _squeue(answer, ",".join(ids))
+        _add_sacct(answer, ",".join(ids))
+    return answer
 
 
-def query_tasks(ids: list[str]) -> dict[str, JobState]:
+def query_tasks(ids: list[str]) -> Answer:
     """States of array tasks (``A_I``) and plain jobs, keyed by those ids, in exactly two calls
     whatever their number: ``squeue -r`` and ``sacct`` over the array (base) ids. Asking for
     ``A`` rather than 100 ``A_I`` keeps the RPC small; ``-r`` lists pending tasks one per line
     (sacct's "A_[4-99%2]" row for tasks not started yet matches no id asked for)."""
     bases = list(dict.fromkeys(i.split("_")[0] for i in ids if i))
-    if not bases:
-        return {}
-    out = _squeue(",".join(bases), "-r")
-    _add_sacct(out, ",".join(bases))
-    return {i: out[i] for i in ids if i in out}
+    answer = Answer()
+    if bases:
+        _squeue(answer, ",".join(bases), "-r")
+        _add_sacct(answer, ",".join(bases))
+        answer.states = {i: answer.states[i] for i in ids if i in answer.states}
+    return answer
 
 
 def wait(ids: list[str], on_change=None, max_delay: float = 30.0) -> dict[str, JobState]:
-    """Block until every job is final; the poll interval doubles from 1 s up to ``max_delay``."""
-    delay, last = 1.0, {}
+    """Block until every job has a final state, and return them; the poll interval doubles from
+    1 s up to ``max_delay``. ``on_change`` gets the :class:`Answer` whenever a state changes or
+    a query stops or starts answering. A job left unknown by a failed query is not final, nor is
+    a PREEMPTED one (it is being requeued): polling goes on."""
+    delay, last = 1.0, None
     while True:
-        states = query(ids)
-        snapshot = {k: v.state for k, v in states.items()}
+        answer = query(ids)
+        snapshot = ({k: v.state for k, v in answer.states.items()}, answer.failed)
         if snapshot != last:
             delay = 1.0
             if on_change:
-                on_change(states)
+                on_change(answer)
             last = snapshot
-        if ids and all(i in states and states[i].final and states[i].state.split()[0] != "PREEMPTED"
-                       for i in ids):
-            return states
+        done = {i: st for i in ids if (st := answer.final(i)) is not None and st.state.split()[0] != "PREEMPTED"}
+        if ids and all(i in done for i in ids):
+            return done
         time.sleep(delay)
         delay = min(max_delay, delay * 2)

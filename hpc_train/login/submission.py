@@ -215,8 +215,11 @@ def _refuse_active_job(rd: Path) -> None:
     ids = scheduler.job_ids(rd)
     if not ids:
         return
-    states = scheduler.query(ids[-1:])
-    st = states.get(ids[-1])
-    if st is not None and not st.final:
-        raise UsageError(f"{rd} belongs to job {ids[-1]}, which is {st.state}; wait for it, cancel it "
-                         f"(python -m hpc_train cancel {rd}), or use another --run-dir")
+    answer = scheduler.query(ids[-1:])
+    live = answer.live(ids[-1])
+    if live is None:    # it may still be running: a second job would train in the same directory
+        raise UsageError(f"{rd} belongs to job {ids[-1]}, and the scheduler did not say whether it is still live "
+                         f"({answer.squeue_failed}); try again later, or use another --run-dir")
+    if live:
+        raise UsageError(f"{rd} belongs to job {ids[-1]}, which is {answer.states[ids[-1]].state}; wait for it, "
+                         f"cancel it (python -m hpc_train cancel {rd}), or use another --run-dir")

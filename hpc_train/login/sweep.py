@@ -243,10 +243,14 @@ def submit(args: argparse.Namespace, cfg: Config, sweep_dir: Path) -> int:
 def resubmit_failed(args: argparse.Namespace) -> int:
     """``submit --resubmit-failed SWEEP_DIR``: one new array of the tasks that ended unfinished."""
     from hpc_train import config as config_mod
-    from hpc_train.login.sweep_report import task_rows
+    from hpc_train.login.sweep_report import NO_ANSWER, task_rows
     sweep_dir = Path(args.resubmit_failed).absolute()
     manifest = read_manifest(sweep_dir)
-    rows = task_rows(manifest)
+    rows, failed = task_rows(manifest)
+    unknown = [r.index for r in rows if r.state == NO_ANSWER]
+    if unknown:   # a task that may still run must not get a second job in its run directory
+        raise UsageError(f"cannot tell whether task(s) {', '.join(map(str, unknown))} of {sweep_dir} are still "
+                         f"live: {failed}; nothing resubmitted")
     redo = [r for r in rows if r.resubmittable]
     if not redo:
         print(f"nothing to resubmit in {sweep_dir}: no task failed, was cancelled or timed out unfinished")
@@ -270,7 +274,7 @@ def resubmit_failed(args: argparse.Namespace) -> int:
 
 
 def _wait(ids: list[str]) -> int:
-    states = scheduler.wait(ids)
+    states = scheduler.wait(ids)     # polls on while a query fails: a task it cannot see is not ended
     bad = [k for k, v in states.items() if v.state != "COMPLETED"]
     print(f"array ended: {len(ids) - len(bad)} of {len(ids)} tasks COMPLETED")
     return 1 if bad else 0

@@ -27,6 +27,7 @@ from hpc_train.records import result as result_record
 # Ended without finishing: what --resubmit-failed takes. A PREEMPTED that is final was not requeued.
 UNFINISHED_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
                      "PREEMPTED", "REVOKED", "UNKNOWN"}
+NO_ANSWER = "NO_ANSWER"   # not finished, and squeue did not answer: it may be live, never resubmitted
 _TAIL_BYTES = 16384   # status reads only the end of metrics.jsonl: 100 tasks must answer in < 2 s
 
 
@@ -79,11 +80,6 @@ def is_sweep(path: Path) -> bool:
     return (Path(path) / MANIFEST).exists()
 
 
-def latest_job(task: dict[str, Any]) -> str | None:
-    """The job id (``ARRAY_INDEX``, or a plain id for a one-task submission) a task last ran as."""
-    return task["jobs"][-1] if task.get("jobs") else None
-
-
 def _records(run_dir: Path, tail: bool) -> list[dict[str, Any]]:
     path = run_dir / rundir.METRICS
     try:
@@ -130,22 +126,29 @@ def _state(st: scheduler.JobState | None, finished: bool) -> str:
 
 
 def task_rows(manifest: dict[str, Any], metric: str = "loss", tail: bool = True,
-              ask_scheduler: bool = True) -> list[TaskRow]:
+              ask_scheduler: bool = True) -> tuple[list[TaskRow], str | None]:
     """One row per task, from two scheduler calls (none with ``ask_scheduler=False``: then a
-    task is COMPLETED or UNFINISHED by its files alone) and each task's files."""
+    task is COMPLETED or UNFINISHED by its files alone) and each task's files; and the queries
+    that did not answer, if any (an unfinished task squeue could not be asked about is
+    NO_ANSWER: it may still run, so it is never resubmitted)."""
     jobs = [t["jobs"][-1] for t in manifest["tasks"] if t.get("jobs")]
-    states = scheduler.query_tasks(jobs) if ask_scheduler else {}
+    answer = scheduler.query_tasks(jobs) if ask_scheduler else scheduler.Answer()
     rows = []
     for t in manifest["tasks"]:
         run_dir = Path(t["run_dir"])
         job = t["jobs"][-1] if t.get("jobs") else ""
-        st = states.get(job)
+        st = answer.states.get(job)
         finished = result_record.finished(run_dir)
         step, value = _latest(run_dir, metric, tail)
-        state = _state(st, finished) if ask_scheduler else ("COMPLETED" if finished else "UNFINISHED")
+        if not ask_scheduler:
+            state = "COMPLETED" if finished else "UNFINISHED"
+        elif answer.live(job) is None:
+            state = "COMPLETED" if finished else NO_ANSWER
+        else:
+            state = _state(st, finished)
         rows.append(TaskRow(t["index"], " ".join(f"{k}={v}" for k, v in t["overrides"].items()), str(run_dir),
                             job, state, step, value, st.restarts if st else 0, finished))
-    return rows
+    return rows, answer.failed
 
 
 def _fmt(v: float | None) -> str:
@@ -160,7 +163,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def print_status(sweep_dir: Path, metric: str = "loss") -> int:
     """``python -m hpc_train status SWEEP_DIR``."""
-    rows = task_rows(read_manifest(sweep_dir), metric)
+    rows, failed = task_rows(read_manifest(sweep_dir), metric)
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.state] = counts.get(r.state, 0) + 1
@@ -169,6 +172,8 @@ def print_status(sweep_dir: Path, metric: str = "loss") -> int:
         ["task", "state", "job", "step", metric, "restarts", "overrides"],
         [[str(r.index), r.state, r.job or "-", "-" if r.step is None else str(r.step), _fmt(r.value),
           str(r.restarts), r.overrides] for r in rows]))
+    if failed:
+        print(f"the scheduler did not answer ({failed}): a task shown {NO_ANSWER} may still be live")
     if any(r.resubmittable for r in rows):
         print(f"resubmit the failed tasks: python -m hpc_train submit --resubmit-failed {sweep_dir}")
     return 0
@@ -179,7 +184,7 @@ def summary(sweep_dir: Path, metric: str, descending: bool, csv_path: Path | Non
     manifest = read_manifest(sweep_dir)
     # Whole files here (not a tail): an eval metric may be logged once per epoch, far back.
     # Files only, no scheduler: results stay readable when the cluster has forgotten the jobs.
-    rows = task_rows(manifest, metric, tail=False, ask_scheduler=False)
+    rows, _ = task_rows(manifest, metric, tail=False, ask_scheduler=False)
     sign = -1 if descending else 1
     rows.sort(key=lambda r: (r.value is None or math.isnan(r.value), sign * (r.value or 0.0), r.index))
     keys = list(dict.fromkeys(k for t in manifest["tasks"] for k in t["overrides"]))

@@ -86,8 +86,9 @@ def _store(env: NodeEnv, timeout: timedelta) -> dist.Store:
 def _import_behind(names: tuple[str, ...]) -> threading.Thread:
     """Import ``names`` on a thread while this one waits for its peers (the rendezvous runs in
     C++, without the GIL). DDP's constructor imports ``torch._dynamo`` (to read its optimize-ddp
-    mode) whatever the model: ~1.4 s of a restart's critical path when made there. The caller
-    joins the thread before it imports anything else, so two threads never import at once."""
+    mode) whatever the model, a slow import that would otherwise sit on a restart's critical
+    path. The caller joins the thread before it imports anything else, so two threads never
+    import at once."""
     import importlib
 
     def run() -> None:

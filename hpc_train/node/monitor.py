@@ -48,7 +48,6 @@ class Monitor:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step drops events at or after the resume step: no doubled segments.
             self._tb = SummaryWriter(str(run_dir / rundir.TB), purge_step=start_step + 1 if start_step else None)
-            self.tb_dir = run_dir / rundir.TB
         mode = progress if progress != "auto" else ("bar" if sys.stderr.isatty() else "lines")
         if mode == "bar":
             from tqdm import tqdm

@@ -44,7 +44,7 @@ log = logging.getLogger("hpc_train")
 
 @dataclass
 class Session:
-    """A process's hold on its run directory, from :func:`open_session` to :meth:`close`."""
+    """A process's hold on its run directory, from :func:`begin` to :meth:`close`."""
 
     cfg: Config
     run_dir: Path

@@ -1,7 +1,7 @@
 """Parallelism strategies: how ``run.wrap(model)`` spreads a model over processes and devices.
 
 ``dist.strategy`` picks one (the built-in trainer and a user's own loop both go through
-:meth:`hpc_train.Run.wrap`):
+:meth:`hpc_train.run.Run.wrap`):
 
 ``ddp`` (default)
     DistributedDataParallel: one process per device, gradients all-reduced in buckets while

@@ -1,4 +1,4 @@
-"""The built-in loop: the tutorials' models on digits/MNIST, as one client of :class:`hpc_train.Run`.
+"""The built-in loop: the tutorials' models on digits/MNIST, as one client of :class:`hpc_train.run.Run`.
 
 It holds a ``Run`` like any user's loop: ``run.wrap`` applies ``dist.strategy`` (DDP by default),
 ``run.loader`` shards the data, ``run.restore`` / ``run.step_end`` / ``run.finish`` checkpoint, stop
