@@ -30,12 +30,13 @@ def export(path: Path, out: Path) -> int:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem} (`ckpt verify` checks every step; "
                               f"--step N exports another)")
     try:
-        meta = SafeReader(str(path)).read_metadata()
+        reader = SafeReader(str(path))
+        meta = reader.read_metadata()
         state: dict[str, Any] = {}
         for fqn, md in meta.state_dict_metadata.items():
             if fqn.startswith("model.") and hasattr(md, "size"):
                 state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
+        dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - one clear line, not a traceback
         raise CheckpointError(f"cannot load checkpoint {path}: {why(e)}") from None
     model = {k[len("model."):]: v for k, v in state.items()}

@@ -57,7 +57,9 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
     dcp_st = dcp_state(state, kinds)
     if dcp_st:
         try:
-            dcp.load(dcp_st, storage_reader=SafeReader(str(path), checks), planner=SafePlanner(),
+            reader = SafeReader(str(path), checks)
+            reader.read_metadata()    # checked before DCP reads it (see SafeReader)
+            dcp.load(dcp_st, storage_reader=reader, planner=SafePlanner(),
                      process_group=None, no_dist=not (dist.is_initialized() and world_size > 1))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
             # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
