@@ -8,6 +8,7 @@ README's loop) behind a three-line wrapper that asks for a save every 2 steps.
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import REPO, clean_env
+from ckpt_helpers import REPO, clean_env, snapshot
 
 WRAPPER = f"""import sys
 sys.path.insert(0, {str(REPO / "tests" / "scripts")!r})
@@ -83,3 +84,20 @@ def test_a_damaged_metadata_falls_back_on_every_rank_in_one_line(copy):
         log = (d / "runs" / "loop" / "logs" / f"rank-{r}.log").read_text()
         assert [ln for ln in log.splitlines() if "resumed from" in ln and "step-2" in ln], log[-3000:]
 
+
+def test_every_checkpoint_damaged_under_plain_python_is_one_line(copy):
+    """Plain ``python train.py`` with every checkpoint damaged: one line that names each and says
+    what to do (as ``run`` does), exit non-zero, no traceback, nothing deleted or moved."""
+    d, root = copy
+    _flip(root / "step-4" / "__1_0.distcp", 1)
+    _flip(root / "step-2" / ".metadata", 2)
+    before = snapshot(root)
+    p = loop(d, 6)
+    assert p.returncode != 0, out(p)
+    assert "Traceback" not in p.stderr, out(p)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("hpc_train:")]
+    assert len(errors) == 1, out(p)
+    assert re.search(r"step 4: .*__1_0\.distcp.* fails its crc32c check", errors[0]), out(p)
+    assert re.search(r"step 2: \.metadata fails its crc32c check", errors[0]), out(p)
+    assert "HPC_TRAIN_RESUME=none" in errors[0], out(p)
+    assert snapshot(root) == before

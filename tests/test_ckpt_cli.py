@@ -165,8 +165,7 @@ def test_malicious_metadata_is_refused_everywhere(copy, tmp_path, kind):
         assert not marker.exists(), "resuming ran the checkpoint's code"
         # Refused, then every rank falls back to step-4 together; the run finishes from there.
         assert r.returncode == 0, show(r)
-        assert re.search(r"skipping checkpoint .*step-6: it does not load: cannot load checkpoint .*step-6: "
-                         r".*not allowed", r.stderr), show(r)
+        assert re.search(r"skipping checkpoint .*step-6: it does not load: .*not allowed", r.stderr), show(r)
         assert "resumed from " + str(rd / "checkpoints" / "step-4") in r.stderr, show(r)
         aside = list((rd / "checkpoints").glob("step-6.skipped-*"))   # kept for inspection, not deleted
         assert len(aside) == 1 and (aside[0] / ".metadata").read_bytes() == evil_pickles(marker)[kind]

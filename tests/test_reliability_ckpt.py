@@ -136,7 +136,7 @@ def test_a_flipped_bit_is_caught_by_the_load_and_every_rank_falls_back(copy, whe
     p = resume_on_workers(rd)
     assert p.returncode == 0, show(p)
     text = p.stderr + logs(rd)
-    assert re.search(r"skipping checkpoint \S*step-6: it does not load: cannot load checkpoint \S*step-6: "
+    assert re.search(r"skipping checkpoint \S*step-6: it does not load: "
                      rf"{re.escape(name)} \(bytes {lo}-{hi}\) fails its crc32c check \(recorded \w{{8}}, read \w{{8}}\)$",
                      text, re.M), show(p)
     assert f"resumed from {rd / 'checkpoints' / 'step-4'}" in text, show(p)

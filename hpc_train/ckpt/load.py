@@ -47,10 +47,11 @@ def check_keys(path: Path, saved: dict[str, str] | None, kinds: dict[str, str]) 
 def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
          kinds: dict[str, str] | None = None) -> dict[str, Any]:
     """Restore ``state`` in place from a complete checkpoint (resharding if the world size
-    changed), checking the checksums of every byte read. Returns the commit record."""
+    changed), checking the checksums of every byte read. Returns the commit record. A
+    :class:`CheckpointError` says why the checkpoint does not load; the caller names it."""
     info = resume.inspect(path)
     if not info.complete:
-        raise CheckpointError(f"checkpoint {path} is not complete: {info.problem}")
+        raise CheckpointError(f"not complete: {info.problem}")
     kinds = kinds or state_mod.kinds(state)
     check_keys(path, info.record.get("state"), kinds)
     checks = Checks(path, info.record)
@@ -65,7 +66,7 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
             # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
             w = why(e)
             hint = " (does the model match the one it was saved with?)" if "mismatch" in w else ""
-            raise CheckpointError(f"cannot load checkpoint {path}: {w}{hint}") from None
+            raise CheckpointError(f"{w}{hint}") from None
         for k, kind in kinds.items():
             if kind == "module":
                 set_model_state_dict(state[k], dcp_st[k])

@@ -126,15 +126,15 @@ class SafePlanner(DefaultLoadPlanner):
 
 def safe_torch_load(path: Path, checks: Checks | None = None) -> Any:
     """One of hpc_train's own files (``app.pt``, ``rank-R.pt``): read whole, checked, then
-    ``torch.load(weights_only=True)``."""
+    ``torch.load(weights_only=True)``. Errors name the file; the caller names the checkpoint."""
     try:
         with open_regular(path) as f:
             data = f.read()
     except OSError as e:
-        raise CheckpointError(f"cannot load {path}: {e.strerror or e}") from None
+        raise CheckpointError(f"cannot load {path.name}: {e.strerror or e}") from None
     try:
         if checks is not None:
             checks.data(path.name, data)
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - e.g. a pickle that names a forbidden global
-        raise CheckpointError(f"cannot load {path}: {why(e)}") from None
+        raise CheckpointError(f"cannot load {path.name}: {why(e)}") from None
