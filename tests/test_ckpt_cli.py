@@ -191,3 +191,41 @@ def test_malicious_rank_file_is_refused_on_resume(copy, tmp_path):
     assert re.search(r"skipping checkpoint .*step-6: it does not load: cannot load .*rank-0.pt: .*GLOBAL posix.system",
                      r.stderr), show(r)
     assert "resumed from " + str(rd / "checkpoints" / "step-4") in r.stderr, show(r)
+
+
+# -- ckpt export of a user's own state: the module under any key -------------------------------
+def _save_in_process(run_dir, state) -> None:
+    """One real checkpoint of ``state`` at its step, written by the Checkpointer in this process
+    (world size 1), as a user's own loop writes it."""
+    from hpc_train.ckpt.save import Checkpointer
+    from hpc_train.config import CheckpointSection
+    ck = Checkpointer(CheckpointSection(), run_dir, 0, 1)
+    ck.save(state, state["step"], blocking=True)
+    ck.close()
+
+
+def _net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def test_export_takes_the_one_module_under_any_key(tmp_path):
+    net = _net(0)
+    _save_in_process(tmp_path / "run", {"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1), "step": 3})
+    got = export(tmp_path / "run", tmp_path / "net.pt")
+    want = net.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items()), sorted(got)
+
+
+def test_export_of_several_modules_asks_which(tmp_path):
+    from ckpt_helpers import one_line_exit2
+    student, teacher = _net(1), _net(2)
+    rd, out = tmp_path / "run", tmp_path / "w.pt"
+    _save_in_process(rd, {"student": student, "teacher": teacher, "step": 5})
+    one_line_exit2(hpc("ckpt", "export", rd, out), "student", "teacher", "--key")
+    one_line_exit2(hpc("ckpt", "export", rd, out, "--key", "opt"), "student", "teacher")
+    assert not out.exists()
+    p = hpc("ckpt", "export", rd, out, "--key", "teacher")
+    assert p.returncode == 0, show(p)
+    got = torch.load(out, weights_only=True)
+    assert all(torch.equal(got[k], v) for k, v in teacher.state_dict().items()) and len(got) == 4

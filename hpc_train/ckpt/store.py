@@ -156,6 +156,16 @@ def verify_checksums(info: CkptInfo) -> str | None:
     return None
 
 
+def modules(record: dict[str, Any]) -> list[str]:
+    """The state keys a commit record says hold a module (``state``: key -> kind, see
+    :mod:`hpc_train.ckpt.state`); a record from before kinds were recorded: the built-in
+    trainer's ``model``."""
+    kinds = record.get("state")
+    if not isinstance(kinds, dict):
+        return ["model"]
+    return sorted(k for k, kind in kinds.items() if kind == "module")
+
+
 def scan(run_dir: Path) -> list[CkptInfo]:
     """Every step directory, newest first."""
     root = ckpt_root(run_dir)
