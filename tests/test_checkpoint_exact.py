@@ -76,7 +76,7 @@ def test_stop_and_resume_is_bitwise_exact(straight, tmp_path, config, stop_at, k
     second = run(cfg, rd)                       # the same command, fresh processes
     assert second.returncode == 0, show(second)
     assert f"resuming from step {k} " in second.stderr, show(second)
-    assert f"step-{k}: step {k}," in second.stderr, show(second)   # the worker's "resumed from ..." line
+    assert f"resumed from step {k} ({rd / 'checkpoints' / f'step-{k}'})," in second.stderr, show(second)   # the worker
     assert json.loads((rd / "result.json").read_text())["steps"] == total
 
     # Per-step losses: every step once, and equal to the uninterrupted run's (bitwise: same floats).
@@ -102,7 +102,7 @@ def test_an_async_checkpoint_holds_exactly_its_step(straight, tmp_path):
     rd = tmp_path / "run"
     p = run(cfg, rd, resume=str(ck))
     assert p.returncode == 0, show(p)
-    assert "step-8: step 8," in p.stderr, show(p)
+    assert f"resumed from step 8 ({ck})," in p.stderr, show(p)
     losses = train_losses(rd)
     assert {s: losses[s] for s in range(9, 13)} == {s: straight_losses[s] for s in range(9, 13)}
     assert_same_weights(export(rd, tmp_path / "resumed.pt"), straight_weights)

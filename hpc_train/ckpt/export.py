@@ -28,7 +28,7 @@ def export(path: Path, out: Path, key: str = "model") -> int:
     info = store.inspect(Path(path))
     problem = store.verify_checksums(info)
     if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is damaged: {problem} (`ckpt verify` checks every step; "
+        raise CheckpointError(f"checkpoint {info.label} is damaged: {problem} (`ckpt verify` checks every step; "
                               f"--step N exports another)")
     try:
         reader = SafeReader(str(path))
@@ -40,9 +40,9 @@ def export(path: Path, out: Path, key: str = "model") -> int:
         if state:
             dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - one clear line, not a traceback
-        raise CheckpointError(f"cannot load checkpoint {path}: {why(e)}") from None
+        raise CheckpointError(f"cannot load checkpoint {info.label}: {why(e)}") from None
     if not state:
-        raise CheckpointError(f"checkpoint {path} holds no tensors of state[{key!r}]; nothing to export")
+        raise CheckpointError(f"checkpoint {info.label} holds no tensors of state[{key!r}]; nothing to export")
     model = {k[len(key) + 1:]: v for k, v in state.items()}
     # The temporary file is opened exclusively: an existing "OUT.tmp" is not ours to overwrite.
     tmp = Path(str(out) + ".tmp")

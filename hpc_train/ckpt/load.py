@@ -40,7 +40,7 @@ def check_keys(path: Path, saved: dict[str, str] | None, kinds: dict[str, str]) 
                 ([f"in the checkpoint but not in state: {', '.join(extra)}"] if extra else []) + \
                 (["of another kind: " + ", ".join(f"{k} (saved {saved[k]}, now {kinds[k]})" for k in changed)]
                  if changed else [])
-        raise UsageError(f"checkpoint {path} does not match state ({'; '.join(parts)}); restore with the same "
+        raise UsageError(f"checkpoint {resume.label(path)} does not match state ({'; '.join(parts)}); restore with the same "
                          f"state keys it was saved with, or start a new run directory")
 
 

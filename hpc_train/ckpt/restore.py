@@ -65,7 +65,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
         tried.append((source.step, why))
         older = None
         if is_main:
-            log.warning("skipping checkpoint %s: it does not load: %s", source.path, why)
+            log.warning("skipping checkpoint %s: it does not load: %s", source.label, why)
             older = store.older_candidate(source, warn=log.warning)
         older = _agree_on(older, run_dir, rank, device, multi)
         if older is None:
@@ -76,8 +76,8 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
         source = older
     if source is not None:
         saved = record.get("world_size")
-        log.info("resumed from %s: step %d, saved at world size %s%s", source.path, state["step"], saved,
-                 "" if saved == world_size else f" (saved at world size {saved}, now {world_size}: resharded)")
+        log.info("resumed from %s, saved at world size %s%s", source.label, saved,
+                 "" if saved == world_size else f", now {world_size}: resharded")
     return source
 
 

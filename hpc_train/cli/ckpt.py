@@ -93,7 +93,7 @@ def cmd_verify(run_dir: Path) -> int:
     for info in infos:
         problem = verify_one(info)
         bad += problem is not None
-        print(f"step-{info.step}: {'ok' if problem is None else 'BAD: ' + problem}")
+        print(f"step {info.step}: {'ok' if problem is None else 'BAD: ' + problem}")
     if not infos:
         print("no checkpoints")
     return 1 if bad else 0
