@@ -115,15 +115,22 @@ def test_retention_keeps_newest_two(straight):
 
 
 def test_resume_at_another_world_size_continues_from_same_samples(tmp_path):
-    """2 ranks stopped at step 5 (mid-epoch), resumed with 1 process: DCP reshards, and the data
-    continues after the same number of samples (not bitwise: the batches differ)."""
+    """2 ranks stopped at step 5 (mid-epoch), resumed with 1 process: DCP reshards. The weights the
+    one process gets are the saved ones, bitwise: one step at optim.lr=0 (Adam then moves no weight)
+    saves them at step 6. Then the data continues after the same number of samples (not bitwise:
+    the batches differ)."""
     cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 30}})
     rd = tmp_path / "run"
     first = run(cfg, rd, stop_at=5)
     assert first.returncode == 143, show(first)
+    saved = export(rd, tmp_path / "saved.pt", step=5)
+    probe = run(cfg, rd, nproc=1, stop_at=1, sets=("optim.lr=0",))   # stops after its first step: 6
+    assert probe.returncode == 143, show(probe)
+    assert "saved at world size 2, now 1: resharded" in probe.stderr, show(probe)
+    assert steps(rd)[0] == 6
+    assert_same_weights(export(rd, tmp_path / "resharded.pt", step=6), saved)
     second = run(cfg, rd, nproc=1)
     assert second.returncode == 0, show(second)
-    assert "saved at world size 2, now 1: resharded" in second.stderr, show(second)
     result = json.loads((rd / "result.json").read_text())
     # 5 steps x 32 samples at world 2, then 25 steps x 16 samples at world 1.
     assert result["progress"]["samples_seen"] == 5 * 32 + 25 * 16
