@@ -209,6 +209,7 @@ def _net(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # DCP, in one process
 def test_export_takes_the_one_module_under_any_key(tmp_path):
     net = _net(0)
     _save_in_process(tmp_path / "run", {"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1), "step": 3})
@@ -217,6 +218,7 @@ def test_export_takes_the_one_module_under_any_key(tmp_path):
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items()), sorted(got)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # DCP, in one process
 def test_export_of_several_modules_asks_which(tmp_path):
     from ckpt_helpers import one_line_exit2
     student, teacher = _net(1), _net(2)

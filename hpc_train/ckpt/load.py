@@ -40,8 +40,8 @@ def check_keys(path: Path, saved: dict[str, str] | None, kinds: dict[str, str]) 
                 ([f"in the checkpoint but not in state: {', '.join(extra)}"] if extra else []) + \
                 (["of another kind: " + ", ".join(f"{k} (saved {saved[k]}, now {kinds[k]})" for k in changed)]
                  if changed else [])
-        raise UsageError(f"checkpoint {resume.label(path)} does not match state ({'; '.join(parts)}); restore with the same "
-                         f"state keys it was saved with, or start a new run directory")
+        raise UsageError(f"checkpoint {resume.label(path)} does not match state ({'; '.join(parts)}); restore with "
+                         f"the same state keys it was saved with, or start a new run directory")
 
 
 def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
