@@ -80,6 +80,7 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
                 print(session_mod.finished_line(rd, done, f"{rundir.RESUME_ENV}=none"), file=sys.stderr)
             raise SystemExit(0)
         s = session_mod.begin(cfg, rd, own_process=False, escalate=True)
+        s.launched = under_launcher
     except UsageError as e:
         session_mod.refuse_or_exit(e)
     owns = not dist.is_initialized()
@@ -107,31 +108,38 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
         raise SystemExit(2)
     run = start(s, device, owns_group=owns)
     atexit.register(_at_exit, run)
-    _report_lost_peers(run)
+    _one_line_failures(run)
     return run
 
 
-def _report_lost_peers(run: Run) -> None:
-    """An uncaught error of a collective whose peer went away ends a user's program with one
-    line naming the peer (its traceback goes to the rank's log), not gloo's raw traceback: the
-    rank that printed it is a victim, and the culprit is elsewhere."""
-    from hpc_train.errors import says_peer_lost
+def _one_line_failures(run: Run) -> None:
+    """An uncaught failure that is not a bug ends a user's program with one line, as a worker of
+    hpc_train's launchers reports it (its traceback goes to the rank's error file):
+
+    * a :class:`~hpc_train.errors.RunFailure` (no checkpoint loads, training diverged, ...),
+      whose message names the cause and the fix;
+    * an error of a collective whose peer went away, naming the peer, not gloo's raw traceback:
+      the rank that printed it is a victim, and the culprit is elsewhere."""
+    from hpc_train.errors import RunFailure, says_peer_lost
     from hpc_train.node import watchdog
     default = sys.excepthook
 
     def hook(kind, value, tb) -> None:
-        if isinstance(value, RuntimeError) and says_peer_lost(str(value)):
-            import traceback
+        if isinstance(value, RunFailure):
+            line = f"{type(value).__name__}: {value}"
+        elif isinstance(value, RuntimeError) and says_peer_lost(str(value)):
             line = watchdog.lost_peer_line(str(value), run.run_dir, run.world_size, run.rank)
-            try:   # the traceback, for a bug report, where the worker keeps its own
-                rundir.write_atomic(rundir.rank_error(run.run_dir, run.rank),
-                                    f"{line}\n\n{''.join(traceback.format_exception(kind, value, tb))}")
-            except OSError:
-                pass
-            from hpc_train.records.ranks import node_name
-            print(f"hpc_train: rank {run.rank} on {node_name()}: {line}", file=sys.stderr)
+        else:
+            default(kind, value, tb)
             return
-        default(kind, value, tb)
+        import traceback
+        try:   # the traceback, for a bug report, where the worker keeps its own
+            rundir.write_atomic(rundir.rank_error(run.run_dir, run.rank),
+                                f"{line}\n\n{''.join(traceback.format_exception(kind, value, tb))}")
+        except OSError:
+            pass
+        from hpc_train.records.ranks import node_name
+        print(f"hpc_train: rank {run.rank} on {node_name()}: {line}", file=sys.stderr)
     sys.excepthook = hook
 
 

@@ -42,12 +42,10 @@ from torch import nn
 from hpc_train import rundir
 from hpc_train.ckpt import state as state_mod
 from hpc_train.config import Config
-from hpc_train.errors import EXIT_STOPPED, UsageError
+from hpc_train.errors import EXIT_STOPPED, NonFiniteError, UsageError
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.session import Session
 from hpc_train.node.stops import Agreement, StopRequest, record_stop
-
-from hpc_train.errors import NonFiniteError
 
 log = logging.getLogger("hpc_train")
 
@@ -188,7 +186,8 @@ class Run:
         source = restore_mod.restore(state, self.run_dir, rank=self.rank, world_size=self.world_size,
                                      device=self.device, multi=self._multi, kinds=kinds,
                                      spec=os.environ.get(rundir.RESUME_ENV, "latest"),
-                                     requeued=self.env.restart_count > 0)
+                                     requeued=self.env.restart_count > 0,
+                                     launched=self._session is not None and self._session.launched)
         self._start_step = state["step"] if source is not None else 0
         goodput.resume_gc()   # start-up ends here (a worker turned the collector off for it)
         ledger = self._ledger()

@@ -64,13 +64,13 @@ def test_damaged_only_checkpoint_refuses_to_start_over_it(copy, damage):
     p = run(cfg, rd)
     assert p.returncode == 2, show(p)
     msg = one_line(p.stderr)
-    assert "step-3" in msg and problem in msg and "none is complete" in msg, msg
+    assert "step 3: " in msg and problem in msg and "none is complete" in msg, msg
     assert "--resume none" in msg, msg          # says what to do
     assert snapshot(rd) == before               # nothing deleted, nothing overwritten, nothing written
 
     v = hpc("ckpt", "verify", rd)
     assert v.returncode == 1, show(v)
-    assert f"step-3: BAD: {problem}" in v.stdout, show(v)
+    assert f"step 3: BAD: {problem}" in v.stdout, show(v)
     e = hpc("ckpt", "export", rd, rd.parent / "out.pt")
     assert e.returncode == 2 and "no complete checkpoint" in one_line(e.stderr), show(e)
     assert snapshot(rd) == before

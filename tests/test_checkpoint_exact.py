@@ -76,7 +76,7 @@ def test_stop_and_resume_is_bitwise_exact(straight, tmp_path, config, stop_at, k
     second = run(cfg, rd)                       # the same command, fresh processes
     assert second.returncode == 0, show(second)
     assert f"resuming from step {k} " in second.stderr, show(second)
-    assert f"step-{k}: step {k}," in second.stderr, show(second)   # the worker's "resumed from ..." line
+    assert f"resumed from step {k} ({rd / 'checkpoints' / f'step-{k}'})," in second.stderr, show(second)   # the worker
     assert json.loads((rd / "result.json").read_text())["steps"] == total
 
     # Per-step losses: every step once, and equal to the uninterrupted run's (bitwise: same floats).
@@ -102,7 +102,7 @@ def test_an_async_checkpoint_holds_exactly_its_step(straight, tmp_path):
     rd = tmp_path / "run"
     p = run(cfg, rd, resume=str(ck))
     assert p.returncode == 0, show(p)
-    assert "step-8: step 8," in p.stderr, show(p)
+    assert f"resumed from step 8 ({ck})," in p.stderr, show(p)
     losses = train_losses(rd)
     assert {s: losses[s] for s in range(9, 13)} == {s: straight_losses[s] for s in range(9, 13)}
     assert_same_weights(export(rd, tmp_path / "resumed.pt"), straight_weights)
@@ -115,15 +115,22 @@ def test_retention_keeps_newest_two(straight):
 
 
 def test_resume_at_another_world_size_continues_from_same_samples(tmp_path):
-    """2 ranks stopped at step 5 (mid-epoch), resumed with 1 process: DCP reshards, and the data
-    continues after the same number of samples (not bitwise: the batches differ)."""
+    """2 ranks stopped at step 5 (mid-epoch), resumed with 1 process: DCP reshards. The weights the
+    one process gets are the saved ones, bitwise: one step at optim.lr=0 (Adam then moves no weight)
+    saves them at step 6. Then the data continues after the same number of samples (not bitwise:
+    the batches differ)."""
     cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 30}})
     rd = tmp_path / "run"
     first = run(cfg, rd, stop_at=5)
     assert first.returncode == 143, show(first)
+    saved = export(rd, tmp_path / "saved.pt", step=5)
+    probe = run(cfg, rd, nproc=1, stop_at=1, sets=("optim.lr=0",))   # stops after its first step: 6
+    assert probe.returncode == 143, show(probe)
+    assert "saved at world size 2, now 1: resharded" in probe.stderr, show(probe)
+    assert steps(rd)[0] == 6
+    assert_same_weights(export(rd, tmp_path / "resharded.pt", step=6), saved)
     second = run(cfg, rd, nproc=1)
     assert second.returncode == 0, show(second)
-    assert "saved at world size 2, now 1: resharded" in second.stderr, show(second)
     result = json.loads((rd / "result.json").read_text())
     # 5 steps x 32 samples at world 2, then 25 steps x 16 samples at world 1.
     assert result["progress"]["samples_seen"] == 5 * 32 + 25 * 16

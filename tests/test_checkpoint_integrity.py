@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from ckpt_helpers import hpc, run, show, snapshot, steps, write_config
+from ckpt_helpers import crc32c, hpc, intact, run, show, snapshot, steps, write_config
 
 from hpc_train.ckpt import store as resume
 from hpc_train.config import CheckpointSection
@@ -50,6 +50,8 @@ def flip_bit(path, rng: random.Random) -> int:
 
 
 def test_commit_records_crc32_of_every_file(base):
+    """Each recorded checksum is the file's CRC32C as an independent implementation computes it
+    (checked against hpc_train's own verify alone, checksums that were all zero would pass)."""
     _, rd = base
     scanned = resume.scan(rd)
     assert [i.step for i in scanned] == [6, 4, 2]
@@ -57,6 +59,8 @@ def test_commit_records_crc32_of_every_file(base):
         sums = info.record["checksums"]
         assert sums["algorithm"] == "crc32c" and set(sums["files"]) == set(info.record["files"])
         assert {".metadata", "app.pt", "rank-0.pt", "rank-1.pt"} <= set(sums["files"])
+        for name, want in sums["files"].items():
+            assert crc32c((info.path / name).read_bytes()) == want, (info.path, name)
         assert resume.verify_checksums(info) is None
 
 
@@ -77,8 +81,8 @@ def test_a_bit_flip_in_any_file_is_detected(copy):
     flip_bit(ck / "__0_0.distcp", rng)
     v = hpc("ckpt", "verify", rd)
     assert v.returncode == 1, show(v)
-    assert v.stdout.splitlines() == ["step-6: ok", v.stdout.splitlines()[1], "step-2: ok"], show(v)
-    assert re.fullmatch(r"step-4: BAD: __0_0.distcp fails its crc32c check \(recorded \w{8}, now \w{8}\)",
+    assert v.stdout.splitlines() == ["step 6: ok", v.stdout.splitlines()[1], "step 2: ok"], show(v)
+    assert re.fullmatch(r"step 4: BAD: __0_0.distcp fails its crc32c check \(recorded \w{8}, now \w{8}\)",
                         v.stdout.splitlines()[1]), show(v)
 
 
@@ -152,19 +156,52 @@ def test_resume_falls_back_past_a_damaged_newest(copy, damage):
     damaged = snapshot(ck6)
     step4 = snapshot(rd / "checkpoints" / "step-4")
     v = hpc("ckpt", "verify", rd)
-    assert v.returncode == 1 and "step-6: BAD: " in v.stdout and "step-4: ok" in v.stdout, show(v)
+    assert v.returncode == 1 and "step 6: BAD: " in v.stdout and "step 4: ok" in v.stdout, show(v)
 
     p = run(cfg, rd)
     assert p.returncode == 0, show(p)
     # The launcher says once which it skipped and why; rank 0 says it again (it checks before loading).
     launcher = [ln for ln in p.stderr.splitlines() if ln.startswith("hpc_train: warning: skipping")]
     assert len(launcher) == 1 and "step-6" in launcher[0] and why in launcher[0], show(p)
-    assert "resuming from step 4 " in p.stderr and f"resumed from {rd / 'checkpoints' / 'step-4'}" in p.stderr, show(p)
+    assert "resuming from step 4 " in p.stderr and f"resumed from step 4 ({rd / 'checkpoints' / 'step-4'})" in p.stderr, show(p)
     # Re-saving step 6 moved the damaged one aside, intact; step-4 untouched; the new step-6 verifies.
     aside = list((rd / "checkpoints").glob("step-6.skipped-*"))
     assert len(aside) == 1 and snapshot(aside[0]) == damaged
     assert snapshot(rd / "checkpoints" / "step-4") == step4
     assert verify_one(resume.inspect(ck6)) is None
+
+
+
+def test_every_command_names_a_checkpoint_by_its_step(copy, tmp_path):
+    """`ckpt list`'s step is the name every message gives a checkpoint: `step N`, with its path in
+    parentheses where one is given. The damaged step-6 and the step-4 resumed from, through list,
+    status, verify, the launcher's plan, the worker's restore, the move aside and export."""
+    cfg, rd = copy
+    root = rd / "checkpoints"
+
+    def named(text: str, pattern: str) -> list[int]:
+        """The steps named where ``pattern`` (a regex with `NAME` for `step N (PATH)`) matches;
+        each PATH must be that step's directory."""
+        found = re.findall(pattern.replace("NAME", r"step (\d+) \((\S+)\)"), text)
+        for step, path in found:
+            assert path == str(root / f"step-{step}"), (step, path, text)
+        return [int(step) for step, _ in found]
+
+    lst = hpc("ckpt", "list", rd)
+    assert [int(ln.split()[0]) for ln in lst.stdout.splitlines()[1:4]] == [6, 4, 2], show(lst)
+    st = hpc("status", rd)
+    assert "the same command resumes from step 6 " in st.stdout, show(st)
+    flip_bit(root / "step-6" / "app.pt", random.Random(3))
+    v = hpc("ckpt", "verify", rd)
+    assert re.findall(r"^step (\d+): (ok|BAD)", v.stdout, re.M) == [("6", "BAD"), ("4", "ok"), ("2", "ok")], show(v)
+    p = run(cfg, rd)
+    assert p.returncode == 0, show(p)
+    assert named(p.stderr, r"skipping damaged checkpoint NAME: app.pt fails") == [6], show(p)    # the launcher
+    assert named(p.stderr, r"resuming from NAME") == [4], show(p)                                # its plan
+    assert named(p.stderr, r"resumed from NAME, saved at world size 2") == [4], show(p)          # the worker
+    assert named(p.stderr, r"checkpoint NAME moved aside to step-6\.skipped-") == [6], show(p)  # the new save
+    e = hpc("ckpt", "export", rd, tmp_path / "w.pt", "--step", "4")
+    assert re.search(r"from step 4 to ", e.stdout), show(e)
 
 
 def test_load_failure_on_every_candidate_gives_up_with_the_error(copy):
@@ -179,7 +216,9 @@ def test_load_failure_on_every_candidate_gives_up_with_the_error(copy):
     assert p.returncode == 1, show(p)
     skips = [ln for ln in p.stderr.splitlines() if "it does not load" in ln]
     assert [re.search(r"step-(\d)", ln).group(1) for ln in skips] == ["6", "4", "2"], show(p)
-    assert "CheckpointError: cannot load" in p.stderr and "app.pt" in p.stderr, show(p)
+    # One line naming each, and what to do in the words of `run`.
+    assert re.search(r"CheckpointError: \S+ holds checkpoints but none loads \(step 6: cannot load app.pt: .*; "
+                     r"step 4: .*; step 2: .*\); .*Use --resume none", p.stderr), show(p)
     assert snapshot(rd / "checkpoints") == {k: v for k, v in before.items() if k.startswith("checkpoints/")} or \
         snapshot(rd / "checkpoints") == {k[len("checkpoints/"):]: v for k, v in before.items()
                                          if k.startswith("checkpoints/")}
@@ -257,23 +296,25 @@ def test_random_bit_flips_never_resume_from_damage_nor_delete_intact(tmp_path):
         victim = rng.choice(complete)
         name = rng.choice(sorted(victim.record["files"]))
         at = flip_bit(victim.path / name, rng)
-        intact = {i.path.name: snapshot(i.path) for i in resume.scan(rd) if verify_one(i) is None}
-        expected = max((int(n[5:]) for n in intact), default=None)
+        # Intact as an independent CRC32C says (judged by hpc_train's own checks, the test would
+        # pass with checksums that see nothing).
+        intact_now = {i.path.name: snapshot(i.path) for i in resume.scan(rd) if i.complete and intact(i.path)}
+        expected = max((int(n[5:]) for n in intact_now), default=None)
         top += rng.choice((1, 2, 3))
         p = run(cfg, rd, sets=(f"train.max_steps={top}",))
         assert p.returncode == 0, f"round {round_} (seed {seed}): flipped {victim.path.name}/{name}@{at}\n{show(p)}"
-        m = re.search(r"resumed from (\S+): step (\d+)", p.stderr)
+        m = re.search(r"resumed from step (\d+) \((\S+)\)", p.stderr)
         assert m, show(p)
-        loaded = os.path.basename(m.group(1))
-        assert loaded in intact and int(m.group(2)) == expected, (round_, seed, loaded, sorted(intact), show(p))
+        loaded = os.path.basename(m.group(2))
+        assert loaded in intact_now and int(m.group(1)) == expected, (round_, seed, loaded, sorted(intact_now), show(p))
         # No intact checkpoint deleted, except by keep: only those older than the `keep` newest complete.
         now = [i for i in resume.scan(rd) if i.complete]
         kept_floor = now[keep - 1].step if len(now) >= keep else -1
-        for n, snap in intact.items():
+        for n, snap in intact_now.items():
             if (rd / "checkpoints" / n).exists():
                 continue
             assert int(n[5:]) < kept_floor, (round_, seed, n, [i.step for i in now])
-        assert now and all(verify_one(i) is None for i in now), (round_, seed)   # damage never stays in place
+        assert now and all(intact(i.path) for i in now), (round_, seed)   # damage never stays in place
         assert len(resume.moved_aside(rd)) <= KEEP_SKIPPED
         outcomes.append(f"{victim.path.name}/{name}: resumed {loaded}")
     print(f"{ROUNDS} rounds, every resume loaded the newest intact checkpoint:")

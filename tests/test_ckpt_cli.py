@@ -61,7 +61,7 @@ def test_verify_flags_corrupted_checkpoints(copy):
     _, rd = copy
     ok = hpc("ckpt", "verify", rd)
     assert ok.returncode == 0, show(ok)
-    assert ok.stdout.split() == ["step-6:", "ok", "step-4:", "ok", "step-2:", "ok"]
+    assert ok.stdout.split() == ["step", "6:", "ok", "step", "4:", "ok", "step", "2:", "ok"]
 
     shard = rd / "checkpoints" / "step-6" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])                     # truncated: the sizes catch it
@@ -71,9 +71,9 @@ def test_verify_flags_corrupted_checkpoints(copy):
     bad = hpc("ckpt", "verify", rd)
     assert bad.returncode == 1, show(bad)
     out = bad.stdout.splitlines()
-    assert out[0].startswith("step-6: BAD: __1_0.distcp has"), out
-    assert out[1].startswith("step-4: BAD: .metadata does not load"), out
-    assert out[2] == "step-2: ok", out
+    assert out[0].startswith("step 6: BAD: __1_0.distcp has"), out
+    assert out[1].startswith("step 4: BAD: .metadata does not load"), out
+    assert out[2] == "step 2: ok", out
     assert snapshot(rd) == before
 
 
@@ -152,7 +152,7 @@ def test_malicious_metadata_is_refused_everywhere(copy, tmp_path, kind):
 
     v = hpc("ckpt", "verify", rd)
     assert not marker.exists(), "ckpt verify ran the checkpoint's code"
-    assert v.returncode == 1 and "step-6: BAD: .metadata does not load" in v.stdout, show(v)
+    assert v.returncode == 1 and "step 6: BAD: .metadata does not load" in v.stdout, show(v)
     assert "not allowed" in v.stdout
     e = hpc("ckpt", "export", rd, tmp_path / "out.pt")
     assert not marker.exists(), "ckpt export ran the checkpoint's code"
@@ -165,9 +165,8 @@ def test_malicious_metadata_is_refused_everywhere(copy, tmp_path, kind):
         assert not marker.exists(), "resuming ran the checkpoint's code"
         # Refused, then every rank falls back to step-4 together; the run finishes from there.
         assert r.returncode == 0, show(r)
-        assert re.search(r"skipping checkpoint .*step-6: it does not load: cannot load checkpoint .*step-6: "
-                         r".*not allowed", r.stderr), show(r)
-        assert "resumed from " + str(rd / "checkpoints" / "step-4") in r.stderr, show(r)
+        assert re.search(r"skipping checkpoint step 6 \(\S*step-6\): it does not load: .*not allowed", r.stderr), show(r)
+        assert f"resumed from step 4 ({rd / 'checkpoints' / 'step-4'})" in r.stderr, show(r)
         aside = list((rd / "checkpoints").glob("step-6.skipped-*"))   # kept for inspection, not deleted
         assert len(aside) == 1 and (aside[0] / ".metadata").read_bytes() == evil_pickles(marker)[kind]
 
@@ -189,6 +188,46 @@ def test_malicious_rank_file_is_refused_on_resume(copy, tmp_path):
     # Only rank 0 fails (rank 1 loaded its own file fine); both fall back to step-4 together, with
     # no hang until the collective timeout, and finish.
     assert r.returncode == 0, show(r)
-    assert re.search(r"skipping checkpoint .*step-6: it does not load: cannot load .*rank-0.pt: .*GLOBAL posix.system",
+    assert re.search(r"skipping checkpoint step 6 \(\S*step-6\): it does not load: cannot load rank-0.pt: .*GLOBAL posix.system",
                      r.stderr), show(r)
-    assert "resumed from " + str(rd / "checkpoints" / "step-4") in r.stderr, show(r)
+    assert f"resumed from step 4 ({rd / 'checkpoints' / 'step-4'})" in r.stderr, show(r)
+
+
+# -- ckpt export of a user's own state: the module under any key -------------------------------
+def _save_in_process(run_dir, state) -> None:
+    """One real checkpoint of ``state`` at its step, written by the Checkpointer in this process
+    (world size 1), as a user's own loop writes it."""
+    from hpc_train.ckpt.save import Checkpointer
+    from hpc_train.config import CheckpointSection
+    ck = Checkpointer(CheckpointSection(), run_dir, 0, 1)
+    ck.save(state, state["step"], blocking=True)
+    ck.close()
+
+
+def _net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # DCP, in one process
+def test_export_takes_the_one_module_under_any_key(tmp_path):
+    net = _net(0)
+    _save_in_process(tmp_path / "run", {"net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1), "step": 3})
+    got = export(tmp_path / "run", tmp_path / "net.pt")
+    want = net.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items()), sorted(got)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # DCP, in one process
+def test_export_of_several_modules_asks_which(tmp_path):
+    from ckpt_helpers import one_line_exit2
+    student, teacher = _net(1), _net(2)
+    rd, out = tmp_path / "run", tmp_path / "w.pt"
+    _save_in_process(rd, {"student": student, "teacher": teacher, "step": 5})
+    one_line_exit2(hpc("ckpt", "export", rd, out), "student", "teacher", "--key")
+    one_line_exit2(hpc("ckpt", "export", rd, out, "--key", "opt"), "student", "teacher")
+    assert not out.exists()
+    p = hpc("ckpt", "export", rd, out, "--key", "teacher")
+    assert p.returncode == 0, show(p)
+    got = torch.load(out, weights_only=True)
+    assert all(torch.equal(got[k], v) for k, v in teacher.state_dict().items()) and len(got) == 4

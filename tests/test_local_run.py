@@ -151,7 +151,7 @@ def test_ctrl_c_saves_and_the_same_command_resumes(py, clean_env, run_dir, tmp_p
     again = subprocess.run(argv, env=clean_env(), cwd=root, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stderr
     assert f"resuming from step {step}" in again.stderr
-    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step}'}: step {step}" in \
+    assert f"resumed from step {step} ({run_dir / 'checkpoints' / f'step-{step}'})" in \
         (run_dir / "logs" / "rank-0.log").read_text()
     result = json.loads((run_dir / "result.json").read_text())
     assert result["steps"] == total and not (run_dir / "stopped.json").exists()

@@ -136,10 +136,10 @@ def test_a_flipped_bit_is_caught_by_the_load_and_every_rank_falls_back(copy, whe
     p = resume_on_workers(rd)
     assert p.returncode == 0, show(p)
     text = p.stderr + logs(rd)
-    assert re.search(r"skipping checkpoint \S*step-6: it does not load: cannot load checkpoint \S*step-6: "
+    assert re.search(r"skipping checkpoint step 6 \(\S*step-6\): it does not load: "
                      rf"{re.escape(name)} \(bytes {lo}-{hi}\) fails its crc32c check \(recorded \w{{8}}, read \w{{8}}\)$",
                      text, re.M), show(p)
-    assert f"resumed from {rd / 'checkpoints' / 'step-4'}" in text, show(p)
+    assert f"resumed from step 4 ({rd / 'checkpoints' / 'step-4'})" in text, show(p)
     aside = list((rd / "checkpoints").glob("step-6.skipped-*"))
     assert len(aside) == 1 and snapshot(aside[0]) == damaged
 
@@ -150,9 +150,9 @@ def test_a_flipped_rank_file_fails_on_its_own_rank_and_both_fall_back(copy):
     p = resume_on_workers(rd)
     assert p.returncode == 0, show(p)
     text = p.stderr + logs(rd)
-    assert re.search(r"skipping checkpoint \S*step-6: it does not load: cannot load \S*rank-1.pt: "
+    assert re.search(r"skipping checkpoint step 6 \(\S*step-6\): it does not load: cannot load rank-1.pt: "
                      r"rank-1.pt fails its crc32c check", text) or "another rank could not load" in text, show(p)
-    assert f"resumed from {rd / 'checkpoints' / 'step-4'}" in text, show(p)
+    assert f"resumed from step 4 ({rd / 'checkpoints' / 'step-4'})" in text, show(p)
 
 
 def _as_old_format(ck) -> None:
@@ -168,16 +168,16 @@ def test_checkpoints_of_the_previous_format_still_verify_and_load(copy):
     for s in (6, 4):
         _as_old_format(rd / "checkpoints" / f"step-{s}")
     v = hpc("ckpt", "verify", rd)
-    assert v.returncode == 0 and v.stdout.splitlines() == ["step-6: ok", "step-4: ok", "step-2: ok"], show(v)
+    assert v.returncode == 0 and v.stdout.splitlines() == ["step 6: ok", "step 4: ok", "step 2: ok"], show(v)
     flip_bit(rd / "checkpoints" / "step-6" / "__0_0.distcp", random.Random(6))
     v = hpc("ckpt", "verify", rd)
-    assert v.returncode == 1 and re.search(r"step-6: BAD: __0_0.distcp fails its crc32 check", v.stdout), show(v)
+    assert v.returncode == 1 and re.search(r"step 6: BAD: __0_0.distcp fails its crc32 check", v.stdout), show(v)
     p = resume_on_workers(rd)
     assert p.returncode == 0, show(p)
     text = p.stderr + logs(rd)
     # Old records have no item checksums: the loader checks each file it reads, whole.
-    assert re.search(r"step-6: it does not load: .*__0_0.distcp fails its crc32 check", text), show(p)
-    assert f"resumed from {rd / 'checkpoints' / 'step-4'}" in text, show(p)
+    assert re.search(r"step 6 \(\S*step-6\): it does not load: .*__0_0.distcp fails its crc32 check", text), show(p)
+    assert f"resumed from step 4 ({rd / 'checkpoints' / 'step-4'})" in text, show(p)
 
 
 # -- issue 19.3: export verifies checksums first ---------------------------------------------
@@ -188,7 +188,7 @@ def test_export_refuses_a_bit_flipped_checkpoint(copy, tmp_path):
     flip_bit(ck / name, random.Random(3), lo, hi)            # a model weight: what export would write
     before = snapshot(rd)
     v = hpc("ckpt", "verify", rd)
-    assert v.returncode == 1 and f"step-6: BAD: {name} fails its crc32" in v.stdout, show(v)
+    assert v.returncode == 1 and f"step 6: BAD: {name} fails its crc32" in v.stdout, show(v)
     out = tmp_path / "model.pt"
     for args in ((), ("--step", "6")):
         p = hpc("ckpt", "export", rd, out, *args)
@@ -226,13 +226,13 @@ def test_a_checkpoint_file_that_is_not_regular_is_invalid_not_a_hang(copy, kind)
     what = "a FIFO" if kind == "fifo" else "a symlink"
     v = hpc("ckpt", "verify", rd, timeout=60)
     assert v.returncode == 1, show(v)
-    assert v.stdout.splitlines() == [f"step-6: BAD: app.pt is {what}, not a regular file", "step-4: ok",
-                                     "step-2: ok"], show(v)
+    assert v.stdout.splitlines() == [f"step 6: BAD: app.pt is {what}, not a regular file", "step 4: ok",
+                                     "step 2: ok"], show(v)
     p = run(cfg, rd, timeout=120)
     assert p.returncode == 0, show(p)
     launcher = [ln for ln in p.stderr.splitlines() if ln.startswith("hpc_train: warning: skipping")]
-    assert len(launcher) == 1 and f"step-6: app.pt is {what}, not a regular file" in launcher[0], show(p)
-    assert f"resumed from {rd / 'checkpoints' / 'step-4'}" in p.stderr + logs(rd), show(p)
+    assert len(launcher) == 1 and f"step-6): app.pt is {what}, not a regular file" in launcher[0], show(p)
+    assert f"resumed from step 4 ({rd / 'checkpoints' / 'step-4'})" in p.stderr + logs(rd), show(p)
 
 
 # -- issue 19.4 and 19.17: plain values per rank; non-string keys ---------------------------

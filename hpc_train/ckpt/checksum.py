@@ -24,6 +24,7 @@ import io
 import os
 import stat
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -45,6 +46,21 @@ def extend(crc: int, data: Any, algorithm: str = CRC32C) -> int:
 
 def hexdigest(crc: int) -> str:
     return f"{crc:08x}"
+
+
+def sum_reads(read: Callable[[int, int], bytes], crc: int = 0, algorithm: str = CRC32C,
+              length: int | None = None) -> tuple[int, int]:
+    """The one read loop of every checksum read from a file: ``crc`` extended by what
+    ``read(size, at)`` returns (``at``: the bytes summed so far), :data:`CHUNK` bytes at a time,
+    until it returns nothing or ``length`` bytes are summed. Returns (crc, bytes summed)."""
+    done = 0
+    while length is None or done < length:
+        data = read(CHUNK if length is None else min(CHUNK, length - done), done)
+        if not data:
+            break
+        crc = extend(crc, data, algorithm)
+        done += len(data)
+    return crc, done
 
 
 class NotRegular(OSError):
@@ -87,11 +103,8 @@ def regular_problem(path: Path) -> str | None:
 
 
 def file_checksum(path: Path, algorithm: str = CRC32C) -> str:
-    c = 0
     with open_regular(path) as f:
-        while chunk := f.read(CHUNK):
-            c = extend(c, chunk, algorithm)
-    return hexdigest(c)
+        return hexdigest(sum_reads(lambda size, _: f.read(size), algorithm=algorithm)[0])
 
 
 def record_problem(sums: Any, files: dict[str, Any]) -> str | None:
@@ -168,12 +181,11 @@ class CheckedItem(io.RawIOBase):
         return bytes(buf[:self.readinto(buf)])
 
     def _sum_from_file(self, end: int) -> None:
-        while self.done < end:
-            data = os.pread(self.fd, min(CHUNK, end - self.done), self.offset + self.done)
-            if not data:
-                return
-            self.crc = extend(self.crc, data, self.checks.algorithm)
-            self.done += len(data)
+        # pread: at an offset, leaving the file position that DCP's reader uses alone.
+        start = self.offset + self.done
+        self.crc, n = sum_reads(lambda size, at: os.pread(self.fd, size, start + at), self.crc,
+                                self.checks.algorithm, max(0, end - self.done))
+        self.done += n
 
     def verify(self) -> None:
         """Sum what the consumer did not read in order, and compare; the file must still be open."""
@@ -229,9 +241,6 @@ class Checks:
         if want is None or name in self._whole_done:
             return
         f.seek(0)
-        c = 0
-        while chunk := f.read(CHUNK):
-            c = extend(c, chunk, self.algorithm)
-        if (got := hexdigest(c)) != want:
+        if (got := hexdigest(sum_reads(lambda size, _: f.read(size), algorithm=self.algorithm)[0])) != want:
             self.fail(name, want, got)
         self._whole_done.add(name)

@@ -45,7 +45,7 @@ def move_aside(path: Path) -> Path:
     while dest.exists():
         dest, k = path.with_name(f"{base}-{k}"), k + 1
     path.rename(dest)
-    log.warning("checkpoint %s moved aside to %s", path, dest.name)
+    log.warning("checkpoint %s moved aside to %s", store.label(path), dest.name)
     return dest
 
 

@@ -20,25 +20,30 @@ from hpc_train.errors import CheckpointError
 __all__ = ["CheckpointError", "export"]
 
 
-def export(path: Path, out: Path) -> int:
-    """A consolidated model ``state_dict`` that ``torch.load(out, weights_only=True)`` reads.
-    The checkpoint is verified first, whole (sizes, regular files, every checksum): a damaged
-    one is refused, never exported."""
+def export(path: Path, out: Path, key: str = "model") -> int:
+    """The module saved as ``state[key]``, as one consolidated ``state_dict`` with its plain
+    parameter names, that ``torch.load(out, weights_only=True)`` reads. The checkpoint is
+    verified first, whole (sizes, regular files, every checksum): a damaged one is refused,
+    never exported; so is a key with no tensors (never an empty file)."""
     info = store.inspect(Path(path))
     problem = store.verify_checksums(info)
     if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is damaged: {problem} (`ckpt verify` checks every step; "
+        raise CheckpointError(f"checkpoint {info.label} is damaged: {problem} (`ckpt verify` checks every step; "
                               f"--step N exports another)")
     try:
-        meta = SafeReader(str(path)).read_metadata()
+        reader = SafeReader(str(path))
+        meta = reader.read_metadata()
         state: dict[str, Any] = {}
         for fqn, md in meta.state_dict_metadata.items():
-            if fqn.startswith("model.") and hasattr(md, "size"):
+            if fqn.startswith(f"{key}.") and hasattr(md, "size"):
                 state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
+        if state:
+            dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - one clear line, not a traceback
-        raise CheckpointError(f"cannot load checkpoint {path}: {why(e)}") from None
-    model = {k[len("model."):]: v for k, v in state.items()}
+        raise CheckpointError(f"cannot load checkpoint {info.label}: {why(e)}") from None
+    if not state:
+        raise CheckpointError(f"checkpoint {info.label} holds no tensors of state[{key!r}]; nothing to export")
+    model = {k[len(key) + 1:]: v for k, v in state.items()}
     # The temporary file is opened exclusively: an existing "OUT.tmp" is not ours to overwrite.
     tmp = Path(str(out) + ".tmp")
     try:

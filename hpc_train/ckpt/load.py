@@ -40,30 +40,33 @@ def check_keys(path: Path, saved: dict[str, str] | None, kinds: dict[str, str]) 
                 ([f"in the checkpoint but not in state: {', '.join(extra)}"] if extra else []) + \
                 (["of another kind: " + ", ".join(f"{k} (saved {saved[k]}, now {kinds[k]})" for k in changed)]
                  if changed else [])
-        raise UsageError(f"checkpoint {path} does not match state ({'; '.join(parts)}); restore with the same "
-                         f"state keys it was saved with, or start a new run directory")
+        raise UsageError(f"checkpoint {resume.label(path)} does not match state ({'; '.join(parts)}); restore with "
+                         f"the same state keys it was saved with, or start a new run directory")
 
 
 def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
          kinds: dict[str, str] | None = None) -> dict[str, Any]:
     """Restore ``state`` in place from a complete checkpoint (resharding if the world size
-    changed), checking the checksums of every byte read. Returns the commit record."""
+    changed), checking the checksums of every byte read. Returns the commit record. A
+    :class:`CheckpointError` says why the checkpoint does not load; the caller names it."""
     info = resume.inspect(path)
     if not info.complete:
-        raise CheckpointError(f"checkpoint {path} is not complete: {info.problem}")
+        raise CheckpointError(f"not complete: {info.problem}")
     kinds = kinds or state_mod.kinds(state)
     check_keys(path, info.record.get("state"), kinds)
     checks = Checks(path, info.record)
     dcp_st = dcp_state(state, kinds)
     if dcp_st:
         try:
-            dcp.load(dcp_st, storage_reader=SafeReader(str(path), checks), planner=SafePlanner(),
+            reader = SafeReader(str(path), checks)
+            reader.read_metadata()    # checked before DCP reads it (see SafeReader)
+            dcp.load(dcp_st, storage_reader=reader, planner=SafePlanner(),
                      process_group=None, no_dist=not (dist.is_initialized() and world_size > 1))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
             # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
             w = why(e)
             hint = " (does the model match the one it was saved with?)" if "mismatch" in w else ""
-            raise CheckpointError(f"cannot load checkpoint {path}: {w}{hint}") from None
+            raise CheckpointError(f"{w}{hint}") from None
         for k, kind in kinds.items():
             if kind == "module":
                 set_model_state_dict(state[k], dcp_st[k])

@@ -21,17 +21,20 @@ import torch.distributed as dist
 from hpc_train import rundir
 from hpc_train.ckpt import load as checkpoint
 from hpc_train.ckpt import store
-from hpc_train.errors import CheckpointError
+from hpc_train.errors import CheckpointError, UsageError
 
 log = logging.getLogger("hpc_train")
 _PATH_BYTES = 4096   # a checkpoint path, broadcast as a fixed-size byte tensor (any backend)
 
 
 def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int, device: torch.device,
-            multi: bool, kinds: Mapping[str, str], spec: str, requeued: bool = False) -> store.CkptInfo | None:
+            multi: bool, kinds: Mapping[str, str], spec: str, requeued: bool = False,
+            launched: bool = False) -> store.CkptInfo | None:
     """Load the agreed checkpoint into ``state``; returns what was loaded, None when fresh.
     ``spec``: ``latest``, ``none`` (the launcher already moved old checkpoints aside) or a path;
-    ``requeued``: a requeued job goes on from its own newest checkpoint, not a given path."""
+    ``requeued``: a requeued job goes on from its own newest checkpoint, not a given path;
+    ``launched``: started by hpc_train's run/submit/sbatch (an error's advice names ``--resume``,
+    else ``HPC_TRAIN_RESUME``). When none loads: one :class:`CheckpointError` naming each."""
     is_main = rank == 0
     source: store.CkptInfo | None = None
     plan_error: Exception | None = None
@@ -44,6 +47,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
             plan_error = e
     source = _agree_on(source, run_dir, rank, device, multi, plan_error)
     record: dict[str, Any] = {}
+    tried: list[tuple[int, str]] = []     # (step, why it did not load), for the error if none does
     while source is not None:
         error: BaseException | None = None
         try:
@@ -54,24 +58,41 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
             failed = torch.tensor([float(error is not None)], device=device)
             dist.all_reduce(failed)
             if error is None and failed.item() > 0:
-                error = CheckpointError(f"another rank could not load {source.path}; see {Path(run_dir) / rundir.LOGS}")
+                error = CheckpointError(f"another rank could not load it; see {Path(run_dir) / rundir.LOGS}")
         if error is None:
             break
+        why = str(error).splitlines()[0] if str(error) else type(error).__name__
+        tried.append((source.step, why))
         older = None
         if is_main:
-            log.warning("skipping checkpoint %s: it does not load: %s", source.path,
-                        str(error).splitlines()[0] if str(error) else type(error).__name__)
+            log.warning("skipping checkpoint %s: it does not load: %s", source.label, why)
             older = store.older_candidate(source, warn=log.warning)
         older = _agree_on(older, run_dir, rank, device, multi)
         if older is None:
             # State may be partly overwritten by the failed load: never train on from it.
-            raise error
+            if isinstance(error, UsageError):   # the state does not fit (its own message says how)
+                raise error
+            raise CheckpointError(_none_loads(source.path.parent, tried, launched)) from None
         source = older
     if source is not None:
         saved = record.get("world_size")
-        log.info("resumed from %s: step %d, saved at world size %s%s", source.path, state["step"], saved,
-                 "" if saved == world_size else f" (saved at world size {saved}, now {world_size}: resharded)")
+        log.info("resumed from %s, saved at world size %s%s", source.label, saved,
+                 "" if saved == world_size else f", now {world_size}: resharded")
     return source
+
+
+def _none_loads(root: Path, tried: list[tuple[int, str]], launched: bool) -> str:
+    """One line for a restore that found no checkpoint it could load: each one tried and why,
+    and what to do, in the words of how this process was started (as ``run`` says it when its
+    own check finds every checkpoint damaged)."""
+    listing = "; ".join(f"step {step}: {why}" for step, why in tried[:5])
+    if launched:
+        how = "Use --resume none to move them aside and start over, or --resume PATH"
+    else:
+        how = (f"Set {rundir.RESUME_ENV}=none to move them aside and start over, or "
+               f"{rundir.RESUME_ENV}=PATH to resume from another checkpoint")
+    return (f"{root} holds checkpoints but none loads ({listing}); refusing to restart from scratch over "
+            f"them. {how}")
 
 
 def _agree_on(chosen: store.CkptInfo | None, run_dir: Path, rank: int, device: torch.device, multi: bool,

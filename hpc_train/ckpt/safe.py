@@ -74,25 +74,35 @@ class _RegularFS(FileSystem):
 
 class SafeReader(dcp.FileSystemReader):
     """DCP's file reader, reading safely (see the module docstring); ``checks``: the commit
-    record's checksums, checked as the bytes are read (None: not checked)."""
+    record's checksums, checked as the bytes are read (None: not checked).
+
+    Call :meth:`read_metadata` before handing the reader to ``dcp.load``: it reads and checks
+    ``.metadata`` once, and DCP's own call gets that copy. Hazard: when DCP's call fails, DCP logs
+    the error with its traceback and tries a rank's own ``__R.metadata``, a file hpc_train never
+    writes and no checksum covers (a planted one would be loaded); that read is refused here."""
 
     def __init__(self, path: str, checks: Checks | None = None) -> None:
         super().__init__(path)
         self.fs = _RegularFS(checks)
         self.checks = checks
+        self._metadata: Any = None
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
-        if self.checks is not None:
-            self.checks.data(Path(path).name, data)
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self.path} has one .metadata for every rank; a rank's own is never read")
+        if self._metadata is None:
+            path = self._get_metadata_path()
+            with self.fs.create_stream(path, "rb") as f:
+                data = f.read()
+            if self.checks is not None:
+                self.checks.data(Path(path).name, data)
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+                metadata.storage_meta = StorageMeta()
+            self._metadata = metadata
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         # DCP reads each item it loads through one slice (torch.load reads the tensor's bytes
@@ -116,15 +126,15 @@ class SafePlanner(DefaultLoadPlanner):
 
 def safe_torch_load(path: Path, checks: Checks | None = None) -> Any:
     """One of hpc_train's own files (``app.pt``, ``rank-R.pt``): read whole, checked, then
-    ``torch.load(weights_only=True)``."""
+    ``torch.load(weights_only=True)``. Errors name the file; the caller names the checkpoint."""
     try:
         with open_regular(path) as f:
             data = f.read()
     except OSError as e:
-        raise CheckpointError(f"cannot load {path}: {e.strerror or e}") from None
+        raise CheckpointError(f"cannot load {path.name}: {e.strerror or e}") from None
     try:
         if checks is not None:
             checks.data(path.name, data)
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - e.g. a pickle that names a forbidden global
-        raise CheckpointError(f"cannot load {path}: {why(e)}") from None
+        raise CheckpointError(f"cannot load {path.name}: {why(e)}") from None

@@ -253,7 +253,7 @@ class Checkpointer:
                                    "torch": torch.__version__, "state": kinds, "save_seconds": round(seconds, 4),
                                    **({"differs_by_rank": differs} if differs else {})},
                             sums=writer.checksums, warn=log.warning)
-        log.info("checkpoint committed: %s (%.2fs)", path, seconds)
+        log.info("checkpoint %s committed (%.2fs)", resume.label(path), seconds)
         self._prune(step)
 
     def _prune(self, committed: int | None = None) -> None:

@@ -64,6 +64,17 @@ class CkptInfo:
     def size(self) -> int:
         return sum(int(v) for v in self.record.get("files", {}).values())
 
+    @property
+    def label(self) -> str:
+        return label(self.path)
+
+
+def label(path: Path) -> str:
+    """How every message names a checkpoint: ``step N (PATH)``, N as ``ckpt list`` shows it (a
+    directory not named ``step-N``: its path)."""
+    m = _STEP_RE.match(Path(path).name)
+    return f"step {int(m.group(1))} ({path})" if m else str(path)
+
 
 def ckpt_root(run_dir: Path) -> Path:
     return Path(run_dir) / rundir.CHECKPOINTS
@@ -157,6 +168,16 @@ def verify_checksums(info: CkptInfo) -> str | None:
     return None
 
 
+def modules(record: dict[str, Any]) -> list[str]:
+    """The state keys a commit record says hold a module (``state``: key -> kind, see
+    :mod:`hpc_train.ckpt.state`); a record from before kinds were recorded: the built-in
+    trainer's ``model``."""
+    kinds = record.get("state")
+    if not isinstance(kinds, dict):
+        return ["model"]
+    return sorted(k for k, kind in kinds.items() if kind == "module")
+
+
 def scan(run_dir: Path) -> list[CkptInfo]:
     """Every step directory, newest first."""
     root = ckpt_root(run_dir)
@@ -177,7 +198,7 @@ def newest_complete(run_dir: Path, warn=None, verify: bool = False, below: int |
             return info
         if warn:
             kind = "incomplete" if not info.complete else "damaged"
-            warn(f"skipping {kind} checkpoint {info.path}: {problem}")
+            warn(f"skipping {kind} checkpoint {info.label}: {problem}")
     return None
 
 
@@ -218,7 +239,7 @@ class ResumePlan:
             if own_code:
                 return f"no hpc_train checkpoint to resume; {own_code} resumes from its own checkpoints, if it keeps any"
             return "starting fresh"
-        return f"resuming from step {self.source.step} ({self.source.path})"
+        return f"resuming from {self.source.label}"
 
     def env_value(self) -> str:
         """Passed to workers as HPC_TRAIN_RESUME: the checkpoint path, or 'latest' (which finds
@@ -282,7 +303,7 @@ def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn
             warn(line)
     if found is None and infos:
         problems = {i.step: (verify_checksums(i) if verify else i.problem) for i in infos[:5]}
-        listing = "; ".join(f"{i.path.name}: {problems[i.step]}" for i in infos[:5])
+        listing = "; ".join(f"step {i.step}: {problems[i.step]}" for i in infos[:5])
         raise UsageError(f"{ckpt_root(run_dir)} holds checkpoints but none is complete and intact ({listing}); refusing to "
                          f"restart from scratch over them. Use --resume none to move them aside and start over, "
                          f"or --resume PATH")
@@ -295,7 +316,7 @@ def check_compatible(info: CkptInfo, signature: dict[str, Any] | None) -> None:
     """Refuse, before loading, a checkpoint whose model signature differs (shapes would not fit)."""
     saved = info.record.get("model")
     if signature is not None and saved is not None and saved != signature:
-        raise UsageError(f"checkpoint {info.path} was saved with model config {saved}, but this config has "
+        raise UsageError(f"checkpoint {info.label} was saved with model config {saved}, but this config has "
                          f"{signature}; the weights would not fit. Use the original config, or a new --run-dir")
 
 

@@ -93,7 +93,7 @@ def cmd_verify(run_dir: Path) -> int:
     for info in infos:
         problem = verify_one(info)
         bad += problem is not None
-        print(f"step-{info.step}: {'ok' if problem is None else 'BAD: ' + problem}")
+        print(f"step {info.step}: {'ok' if problem is None else 'BAD: ' + problem}")
     if not infos:
         print("no checkpoints")
     return 1 if bad else 0
@@ -113,7 +113,24 @@ def _check_out(run_dir: Path, out: Path, force: bool) -> None:
         raise UsageError(f"ckpt export: {out} exists; pass --force to replace it")
 
 
-def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False) -> int:
+def _module_key(info: resume.CkptInfo, key: str | None) -> str:
+    """Which module of the checkpoint to export: ``key``, else the only one it holds."""
+    mods = resume.modules(info.record)
+    if key is None and len(mods) == 1:
+        return mods[0]
+    if key is not None and key in mods:
+        return key
+    if key is not None:
+        raise UsageError(f"ckpt export: --key {key}: step {info.step} holds no module of that name "
+                         f"(its modules: {', '.join(mods) or 'none'})")
+    if not mods:
+        kinds = ", ".join(f"{k} ({v})" for k, v in info.record["state"].items())
+        raise UsageError(f"ckpt export: step {info.step} holds no module to export (its state: {kinds})")
+    raise UsageError(f"ckpt export: step {info.step} holds {len(mods)} modules ({', '.join(mods)}); "
+                     f"pick one with --key NAME")
+
+
+def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False, key: str | None = None) -> int:
     _check_out(run_dir, Path(out), force)
     if step is None:
         info = resume.newest_complete(run_dir)
@@ -126,12 +143,14 @@ def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False) -
             raise UsageError(f"ckpt export: no checkpoint at step {step} (have: {steps or 'none'})")
         if not info.complete:
             raise UsageError(f"ckpt export: step {step} is not complete: {info.problem}")
+    key = _module_key(info, key)
     from hpc_train.ckpt.export import CheckpointError, export
     try:
-        n = export(info.path, Path(out))
+        n = export(info.path, Path(out), key)
     except CheckpointError as e:   # e.g. unsafe or unreadable .metadata: one line, exit 2
         raise UsageError(f"ckpt export: {e}") from None
-    print(f"exported {n} tensors from step {info.step} to {out} (torch.load(..., weights_only=True))")
+    print(f"exported {n} tensors of state[{key!r}] from step {info.step} to {out} "
+          f"(torch.load(..., weights_only=True))")
     return 0
 
 
@@ -141,4 +160,4 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         return cmd_list(run_dir)
     if args.ckpt_command == "verify":
         return cmd_verify(run_dir)
-    return cmd_export(run_dir, args.out, args.step, getattr(args, "force", False))
+    return cmd_export(run_dir, args.out, args.step, getattr(args, "force", False), getattr(args, "key", None))

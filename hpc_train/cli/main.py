@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out")
     c.add_argument("--step", type=int, default=None, help="default: the newest complete checkpoint")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--key", metavar="NAME", default=None,
+                   help="the state key of the module to export (default: the only module in the checkpoint)")
 
     p = sub.add_parser("config", help="print the resolved config without running anything")
     _add_config_args(p)

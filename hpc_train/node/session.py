@@ -53,6 +53,9 @@ class Session:
     finished: dict[str, Any] | None = None   # result.json of a run that finished before this start
     started: float = field(default_factory=time.time)
     own_process: bool = False
+    # Started by hpc_train's run/submit/sbatch, where the user speaks in flags (--resume none),
+    # not in variables (HPC_TRAIN_RESUME=none): what a message tells them to do says it their way.
+    launched: bool = False
     _resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _closed: bool = False
 
@@ -110,7 +113,7 @@ def begin(cfg: Config, run_dir: Path, *, own_process: bool, escalate: bool,
         _quiet_thread_os_errors()
         watchdog.enable_stack_dumps(rundir.rank_log(rd, env.rank))
     session = Session(cfg, rd, env, stop)
-    session.own_process = own_process
+    session.own_process = session.launched = own_process
     return session
 
 

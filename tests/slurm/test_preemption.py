@@ -38,7 +38,7 @@ def _stop_resume_pairs(run_dir: Path) -> list[tuple[int, int]]:
     """(step saved at the stop, step the next run resumed from), from rank 0's log."""
     log = (run_dir / "logs" / "rank-0.log").read_text()
     saved = [int(s) for s in re.findall(r"checkpoint saved by \S+ at step (\d+)", log)]
-    resumed = [int(s) for s in re.findall(r"resumed from \S+: step (\d+)", log)]
+    resumed = [int(s) for s in re.findall(r"resumed from step (\d+) ", log)]
     return list(zip(saved, resumed))
 
 
@@ -268,7 +268,7 @@ def _assert_recovered_in_place(slurm, job: str, run_dir: Path, steps: int, resta
     rec = json.loads((run_dir / "requeue.json").read_text())
     assert rec["counts"]["failure"] == 0 and len(rec["in_place"]) == restarts, rec
     log0 = (run_dir / "logs" / "rank-0.log").read_text()
-    assert re.search(r"resumed from \S+step-\d+: step \d+", log0), log0[-3000:]
+    assert re.search(r"resumed from step \d+ \(\S+step-\d+\)", log0), log0[-3000:]
     assert json.loads((run_dir / "result.json").read_text())["steps"] == steps
     goodput = json.loads((run_dir / "goodput.json").read_text())["segments"]
     assert [bool(s.get("in_place")) for s in goodput][-restarts - 1:] == [False] + [True] * restarts, goodput
@@ -362,7 +362,7 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
     with _node_down(slurm, lost):
         log0 = _assert_recovered_in_place(slurm, job, run_dir, steps)
     assert json.loads((run_dir / "result.json").read_text())["world_size"] == 1
-    resumed = int(re.search(r"resumed from \S+: step (\d+), saved at world size 2 .*now 1: resharded", log0).group(1))
+    resumed = int(re.search(r"resumed from step (\d+) \(\S+\), saved at world size 2, now 1: resharded", log0).group(1))
     assert resumed >= 200 and resumed % 200 == 0, resumed
     # The metrics: every step once up to the checkpoint, then from there again to the end.
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]

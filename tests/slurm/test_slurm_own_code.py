@@ -42,7 +42,7 @@ def _preempt_at(slurm, job_id: str, run_dir: Path, at_steps: list[int]) -> None:
 def _stop_resume_pairs(run_dir: Path) -> list[tuple[int, int]]:
     log = (run_dir / "logs" / "rank-0.log").read_text()
     saved = [int(s) for s in re.findall(r"checkpoint saved by \S+ at step (\d+)", log)]
-    resumed = [int(s) for s in re.findall(r"resumed from \S+: step (\d+)", log)]
+    resumed = [int(s) for s in re.findall(r"resumed from step (\d+) ", log)]
     return list(zip(saved, resumed))
 
 
