@@ -11,7 +11,7 @@ the first submit splits exactly into:
   estimated). A graceful stop saves at its step, so a preemption redoes nothing;
 * **start-up**: process start (job start under Slurm) to the first step, less the load;
 * **recovery**: the same for a job step restarted in place after a failure (see
-  :func:`hpc_train.requeue.restart_in_place`): from the failed step's exit to the first step again;
+  :mod:`hpc_train.login.decide`): from the failed step's exit to the first step again;
 * **checkpoint**: save time that blocked training, and the load on resume;
 * **exit**: from the last step (or the stop's save) until every process has exited, as the
   local launcher or the batch shell's requeue hook sees it;
