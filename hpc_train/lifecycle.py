@@ -188,11 +188,14 @@ def resume_hint(source: str) -> str:
 def _at_exit(run: Run) -> None:
     """The exit of a process whose Run ``init()`` built: the one teardown, then, after a stop,
     a non-zero exit code, so a shell, torchrun and Slurm see that the run did not finish (a
-    loop that ends with ``raise SystemExit`` or falls off the end would exit 0).
+    loop that ends with ``raise SystemExit`` or falls off the end would exit 0). A finished
+    run's exit ignores SIGTERM and the job's signal (see ``StopRequest.leaving_finished``).
 
     Hazard: leaving through ``os._exit`` skips exit handlers registered before ``init()``;
     those registered after it (the user's, usually) have run already, and logging is flushed here."""
     failed = hasattr(sys, "last_value")   # set when an uncaught exception ends the interpreter
+    if run.finished:
+        run.stop.leaving_finished()   # a late SIGTERM must not make a finished run's exit 143
     try:
         run.close(failed=failed)
     finally:

@@ -1,9 +1,10 @@
-"""Stop handlers are given back, and compose with the program's own.
+"""Stop handlers are given back, compose with the program's own, and a late stop is no stop.
 
 Issue 28 (5): after ``finish()``/``close()`` the handlers found at ``init()`` are back, so a program
 that goes on after training (an evaluation, an upload) can be interrupted again; a handler the
 program installed before ``init()`` is called with every stop and given back (Lightning's signal
-connector does the same).
+connector does the same). Issue 29: a SIGTERM that arrives after ``finish()`` wrote ``result.json``
+leaves the run finished: exit 0, no ``stopped.json``, ``status`` says finished.
 
 Real processes and real signals, sent from here (tests/scripts/after_finish.py is the program).
 """
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ckpt_helpers import clean_env
 
@@ -104,3 +106,45 @@ def test_own_handler_is_called_with_the_stop_and_given_back(sig, tmp_path):
     rec = json.loads((rd / "stopped.json").read_text())
     assert rec["stop_signal"] == f"SIG{sig}" and rec["checkpoint"] is True, rec
     assert "handlers after close: TERM=mine INT=default_int_handler USR2=mine" in text, text[-3000:]
+
+
+def _config(tmp: Path) -> str:
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump({
+        "data": {"name": "synthetic", "synthetic_size": 64, "batch_size": 16},
+        "model": {"name": "tests.scripts.after_finish:slow_exit_model"}, "train": {"max_steps": 4, "eval": False},
+        "log": {"tensorboard": False, "progress": "lines"}}))
+    return str(path)
+
+
+def _command(path: str, tmp: Path) -> tuple[list[str], Path]:
+    hpc = [PY, "-m", "hpc_train", "run", "--nproc", "1", "--run-dir", str(tmp / "run")]
+    return {"python": ([PY, SCRIPT], tmp / "runs" / "after_finish"),
+            "run-script": ([*hpc, "--script", SCRIPT], tmp / "run"),
+            "run-fn": ([*hpc, "--fn", "tests.scripts.after_finish:fn"], tmp / "run"),
+            "run-config": ([*hpc, _config(tmp)], tmp / "run")}[path]
+
+
+@pytest.mark.parametrize("path", ["python", "run-script", "run-fn", "run-config"])
+def test_a_stop_signal_after_finish_is_no_stop(path, tmp_path):
+    """SIGTERM to the top process while the finished run's process exits (the interpreter's
+    teardown of `python train.py`, a script's under `run --script`, an exit handler under `run`):
+    exit 0, no stopped.json, and status says finished."""
+    argv, rd = _command(path, tmp_path)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    p, err = start(argv, tmp_path, HPC_TEST_MARK_DIR=str(marks), HPC_TEST_EXIT_S="1.5", AFTER_STEPS="4")
+    try:
+        wait_for((marks / "exiting-rank0").exists, p, err)
+        assert (rd / "result.json").is_file()
+        p.send_signal(signal.SIGTERM)
+        code, text = ended(p, err)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert code == 0, (code, text[-3000:])
+    assert (rd / "result.json").is_file()
+    assert not (rd / "stopped.json").exists(), text[-3000:]
+    status = subprocess.run([PY, "-m", "hpc_train", "status", str(rd)], env=clean_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert "finished" in status.stdout and "stopped" not in status.stdout, status.stdout + status.stderr

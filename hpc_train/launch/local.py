@@ -273,24 +273,49 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
                 rank = _culprit(run_dir, dead)
                 failed = (rank, procs[rank].returncode)
     finally:
+        finished = _written_since(run_dir / rundir.RESULT, started)
         for s, h in old.items():
-            signal.signal(s, h)
+            # A finished run's launcher has only its exit left (the lock, a goodput line, then the
+            # interpreter's teardown: most of a second with torch loaded, where Python runs no
+            # handler): a late SIGTERM or SIGHUP would make it 143, a finished run looking
+            # killed. Ctrl-C and SIGQUIT still end it.
+            signal.signal(s, signal.SIG_IGN if finished and s in (signal.SIGTERM, signal.SIGHUP) else h)
         from hpc_train.goodput import exited, process_start_time
         exited(run_dir, process_start_time())
-    if interrupts["n"] > 1:
+    return _verdict(run_dir, started, failed, interrupts["n"], interrupts["sig"], finished)
+
+
+def _written_since(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
+        return False
+
+
+def _verdict(run_dir: Path, started: float, failed: tuple[int, int | None] | None, interrupts: int, sig: int,
+             finished: bool) -> int:
+    """Say how the run ended, and return the CLI's exit code. ``finished``: result.json was
+    written by this launch; a stop that came after it is no stop (exit 0)."""
+    if interrupts > 1:
         print("hpc_train: aborted; workers killed", file=sys.stderr)
         return 130
-    if failed is not None and not interrupts["n"]:
+    if failed is not None and not interrupts:
         rank, code = failed
         how = "stopped responding" if code is None else \
             f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         print(f"hpc_train: worker rank {rank} failed ({how}): {_first_error(run_dir, rank, code)}\n"
               f"hpc_train: full log: {rundir.rank_log(run_dir, rank)}", file=sys.stderr)
         return 1
+    if finished:
+        # Workers the forwarded stop ended during the code after finish(), or their exit, did
+        # not fail the run: it had finished.
+        if interrupts:
+            print(f"hpc_train: the run had finished ({rundir.RESULT} written) when {signal.Signals(sig).name} came; "
+                  "nothing to stop", file=sys.stderr)
+        return 0
     stopped = run_dir / rundir.STOPPED
-    ended_by_stop = failed is None and stopped.exists() and stopped.stat().st_mtime >= started and \
-        not (run_dir / rundir.RESULT).exists()
-    if interrupts["n"] or ended_by_stop:
+    ended_by_stop = failed is None and _written_since(stopped, started) and not (run_dir / rundir.RESULT).exists()
+    if interrupts or ended_by_stop:
         # A stop that did not come through this launcher (a SIGTERM sent to one worker, a
         # request_stop() in the code) ends the run unfinished too: say so, and exit non-zero.
         if ended_by_stop:
@@ -306,5 +331,5 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
                 print("hpc_train: stopped before the code reached a step boundary (run.step_end), so hpc_train saved "
                       "nothing this time; run the same command to resume (from the last checkpoint, or from "
                       "whatever the code saved itself)", file=sys.stderr)
-        return 128 + (interrupts["sig"] or signal.SIGTERM)
+        return 128 + (sig or signal.SIGTERM)
     return 0

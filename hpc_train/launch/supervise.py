@@ -114,16 +114,23 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     logfile.close()
     code = proc.returncode
     stop.ignore_further()
+    # A stop that came after the script's own Run finished (its result.json) only cut short what
+    # the script did after finish(), or its exit; one that came once the script had ended by
+    # itself never reached it. The script finished either way: no stop to record.
+    finished = _finished_since(rd, started)
+    late = stop.requested and (finished or (code == 0 and not forwarded))
+    if late:
+        log.info("%s came after the script finished: not a stop", stop.name)
     # The script's own Run recorded a stop (a signal only it got, run.request_stop()) and exited
     # with the stopped code: that is a stop too, not a failure.
     own_stop = code == EXIT_STOPPED and _stop_recorded_since(rd, started, wait_s=10.0)
-    if stop.requested or own_stop:
+    if (stop.requested and not late) or own_stop:
         if stop.requested and not _stop_recorded_since(rd, started):
             record_stop(job, env, rd, stop, step=None, checkpoint=False)   # the script never saw it
         log.info("the script stopped (%s; it %s)", stop.name, _how(code))
         watchdog.say_ended(rd, env.rank, "stopped")
         return {"stopped": True, "exit_code": code}
-    if code != 0:
+    if code != 0 and not (late and finished):
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
         msg = (f"rank {env.rank} on {os.uname().nodename}: {script} {_how(code)}; its last lines:\n{last}")
         rundir.write_atomic(rundir.rank_error(rd, env.rank), msg + "\n")
@@ -137,6 +144,14 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         rundir.write_json(rd / rundir.RESULT, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                                                "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
+
+
+def _finished_since(rd: Path, since: float) -> bool:
+    """The script's own Run finished since ``since`` (its rank 0 wrote result.json)."""
+    try:
+        return (rd / rundir.RESULT).stat().st_mtime >= since
+    except OSError:
+        return False
 
 
 def _stop_recorded_since(rd: Path, since: float, wait_s: float = 0.0) -> bool:

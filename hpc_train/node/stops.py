@@ -153,6 +153,12 @@ class StopRequest:
             # An earlier Run's StopRequest left in place: nothing of the program's to call or give back.
             self._found[sig] = None if isinstance(getattr(found, "__self__", None), StopRequest) else found
 
+    def _owned(self, sig: int) -> bool:
+        """Ours is the handler in place, or the one restore() gave back: not one the program
+        installed since."""
+        now = signal.getsignal(sig)
+        return now == self._handler or (sig in self._given and now == self._given[sig])
+
     def _given_back(self, sig: int) -> Any:
         found = self._found[sig]
         if sig not in (signal.SIGTERM, signal.SIGINT) and not _chains_to(found):
@@ -192,6 +198,25 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in self._found:
                 signal.signal(sig, self._handler if sig in (signal.SIGTERM, signal.SIGINT) else signal.SIG_IGN)
+
+    def leaving_finished(self) -> None:
+        """A finished run's process exits (``init()``'s exit handler, before its teardown): from
+        here to the end SIGTERM and the job's signal are ignored, and SIGINT comes to our handler
+        (no stop now) until ``close()`` gives it back. That exit (hpc_train's teardown, then the
+        interpreter's: a second or more with torch loaded, where Python runs no handler) would
+        otherwise end by a late SIGTERM with 143, a finished run looking killed. Left alone: a
+        SIGTERM or job-signal handler of the program's own (its choice), and any handler it
+        installed after ``finish()``. Ctrl-C still ends a stuck interpreter teardown, SIGKILL always.
+
+        Hazard: an ignored signal is inherited by a process started from here on (by an exit
+        handler registered before ``init()``), which SIGTERM then cannot end."""
+        self._done = True
+        self._quiet()
+        if threading.current_thread() is threading.main_thread():
+            for sig, found in self._found.items():
+                if not self._owned(sig) or (sig != signal.SIGINT and _chains_to(found)):
+                    continue
+                signal.signal(sig, self._handler if sig == signal.SIGINT else signal.SIG_IGN)
 
     def _quiet(self) -> None:
         self.escalate = False     # the work is done: a pending escalation must not end the teardown

@@ -9,8 +9,11 @@ has after finish() (or after close(), when the run stopped). Knobs, from the env
     the first is caught and said, as a program that lets Ctrl-C skip a step would
 ``AFTER_STEPS``, ``AFTER_SLEEP``
     own_loop's steps, and its sleep after each
+``HPC_TEST_MARK_DIR`` with ``HPC_TEST_EXIT_S``
+    the process's exit writes ``exiting-rank<R>`` there and lasts that long (see :class:`SlowTeardown`)
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -44,6 +47,43 @@ def say(*what) -> None:
     print(*what, file=sys.stderr, flush=True)
 
 
+class SlowTeardown:
+    """Stands in for torch's part of the interpreter's teardown (a second or more, after every exit
+    handler, where Python runs no signal handler any more): held by a module global, it is deleted
+    while the interpreter destroys its modules; it marks that moment and makes it last, so a test
+    can send its signal there and not a moment earlier or later."""
+
+    def __init__(self, mark: str, seconds: float) -> None:
+        self.mark, self.seconds = mark, seconds
+
+    def __del__(self, _open=os.open, _close=os.close, _sleep=time.sleep) -> None:
+        # Module globals may already be gone here: everything it uses is bound above.
+        _close(_open(self.mark, os.O_CREAT | os.O_WRONLY, 0o644))
+        _sleep(self.seconds)
+
+
+def _exit_mark() -> str | None:
+    d = os.environ.get("HPC_TEST_MARK_DIR")
+    return os.path.join(d, f"exiting-rank{os.environ.get('RANK', '0')}") if d else None
+
+
+def slow_exit_handler() -> None:
+    """An exit handler that takes HPC_TEST_EXIT_S (a logger's upload at exit), marking its start."""
+    mark, seconds = _exit_mark(), float(os.environ.get("HPC_TEST_EXIT_S", "0"))
+    if mark:
+        def upload() -> None:
+            open(mark, "w").close()
+            time.sleep(seconds)
+        atexit.register(upload)
+
+
+def slow_exit_model(cfg):
+    """A user's model plug-in (the built-in trainer's path) whose exit handler takes a while."""
+    from tests.plugins_for_tests import tiny_model
+    slow_exit_handler()
+    return tiny_model(cfg)
+
+
 def main() -> dict:
     if os.environ.get("AFTER_HANDLERS"):
         signal.signal(signal.SIGTERM, mine)
@@ -68,5 +108,14 @@ def main() -> dict:
     return result
 
 
+def fn() -> dict:
+    """``run --fn tests.scripts.after_finish:fn``: the same program as a callable."""
+    slow_exit_handler()
+    return main()
+
+
 if __name__ == "__main__":
+    mark = _exit_mark()
+    if mark:
+        teardown = SlowTeardown(mark, float(os.environ.get("HPC_TEST_EXIT_S", "0")))
     main()
