@@ -84,21 +84,26 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
     except UsageError as e:
         session_mod.refuse_or_exit(e)
     owns = not dist.is_initialized()
-    if owns:
-        device = group.init(s.env, cfg.dist)
-    else:
-        # The script set up its own group (its own init_process_group): use it as it is.
-        backend = dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
-    problem = _prepare(s, under_launcher, resume)
-    if s.env.world_size > 1 and dist.is_initialized():
-        # Every rank acts on rank 0's verdict together: a rank that left alone would leave its
-        # peers waiting in their first collective until the timeout.
-        t = torch.tensor([float(problem is not None)], device=device)
-        dist.broadcast(t, 0)
-        refused = t.item() > 0
-    else:
-        refused = problem is not None
+    try:
+        if owns:
+            device = group.init(s.env, cfg.dist)
+        else:
+            # The script set up its own group (its own init_process_group): use it as it is.
+            backend = dist.get_backend()
+            device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend)
+                      else torch.device("cpu"))
+        problem = _prepare(s, under_launcher, resume)
+        if s.env.world_size > 1 and dist.is_initialized():
+            # Every rank acts on rank 0's verdict together: a rank that left alone would leave its
+            # peers waiting in their first collective until the timeout.
+            t = torch.tensor([float(problem is not None)], device=device)
+            dist.broadcast(t, 0)
+            refused = t.item() > 0
+        else:
+            refused = problem is not None
+    except BaseException:
+        s.close()   # no Run to close it: the lock, and the stop signals' handlers given back
+        raise
     if refused:
         if problem:
             print(problem, file=sys.stderr)
@@ -188,11 +193,14 @@ def resume_hint(source: str) -> str:
 def _at_exit(run: Run) -> None:
     """The exit of a process whose Run ``init()`` built: the one teardown, then, after a stop,
     a non-zero exit code, so a shell, torchrun and Slurm see that the run did not finish (a
-    loop that ends with ``raise SystemExit`` or falls off the end would exit 0).
+    loop that ends with ``raise SystemExit`` or falls off the end would exit 0). A finished
+    run's exit ignores SIGTERM and the job's signal (see ``StopRequest.leaving_finished``).
 
     Hazard: leaving through ``os._exit`` skips exit handlers registered before ``init()``;
     those registered after it (the user's, usually) have run already, and logging is flushed here."""
     failed = hasattr(sys, "last_value")   # set when an uncaught exception ends the interpreter
+    if run.finished:
+        run.stop.leaving_finished()   # a late SIGTERM must not make a finished run's exit 143
     try:
         run.close(failed=failed)
     finally:

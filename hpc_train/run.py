@@ -332,10 +332,11 @@ class Run:
 
     def close(self, failed: bool = False) -> None:
         """The one teardown, on every path: wait for saves, close the reporters and loaders,
-        release the run directory (lock, heartbeat; a finished run keeps no stale stop record)
-        and the process group this Run's start-up made. Idempotent. ``failed``: the code raised,
-        so peers may sit in a collective of it: no shutdown barrier. ``with hpc_train.init() as
-        run:`` calls it; so does the exit of any process that called ``init()``."""
+        release the run directory (lock, heartbeat; a finished run keeps no stale stop record;
+        in a user's program, the signal handlers found at ``init()`` given back) and the process
+        group this Run's start-up made. Idempotent. ``failed``: the code raised, so peers may sit
+        in a collective of it: no shutdown barrier. ``with hpc_train.init() as run:`` calls it;
+        so does the exit of any process that called ``init()``."""
         if self._closed:
             return
         self._closed = True
@@ -370,7 +371,8 @@ class Run:
     def finish(self, result: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The run is done: save a final checkpoint of the last state given to ``step_end`` (if
         that step is not saved yet), write ``result.json`` (rank 0), and return the result. Never
-        marks a stopped run finished; a second call changes nothing and says so."""
+        marks a stopped run finished; a second call changes nothing and says so. Then a signal is
+        no stop, and the handlers found at ``init()`` are back (the code after it can be ended)."""
         out = dict(result or {})
         if self.finished:
             log.warning("finish() called again: the run finished already and result.json is written once; ignored")
@@ -391,8 +393,10 @@ class Run:
         if self.is_main:
             from hpc_train.records import result
             result.write(self.run_dir, out)
+            from hpc_train.records import stop as stop_record
+            stop_record.remove(self.run_dir)   # now: a signal may end the code after finish()
             if self.config.log.tensorboard and (self.run_dir / rundir.TB).is_dir():
                 log.info("TensorBoard logs: tensorboard --logdir %s", self.run_dir / rundir.TB)
         self.finished, self._result = True, out
-        self.stop.ignore_further()
+        self.stop.finished()   # a later signal is no stop; the program's handlers are back
         return out

@@ -239,11 +239,17 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     try:
         failed = _watch(procs, run_dir, hang_s, started)
     finally:
+        from hpc_train.records import result
+        finished = result.written_since(run_dir, started)
         for s, h in old.items():
-            signal.signal(s, h)
+            # A finished run's launcher has only its exit left (the lock, a goodput line, then the
+            # interpreter's teardown: most of a second with torch loaded, where Python runs no
+            # handler): a late SIGTERM or SIGHUP would make it 143, a finished run looking
+            # killed. Ctrl-C and SIGQUIT still end it.
+            signal.signal(s, signal.SIG_IGN if finished and s in (signal.SIGTERM, signal.SIGHUP) else h)
         from hpc_train.goodput import exited, process_start_time
         exited(run_dir, process_start_time())
-    return _outcome(run_dir, failed, interrupts["n"], interrupts["sig"], started)
+    return _outcome(run_dir, failed, interrupts["n"], interrupts["sig"], started, finished)
 
 
 def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started: float) -> tuple[int, int | None] | None:
@@ -289,8 +295,9 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
 
 
 def _outcome(run_dir: Path, failed: tuple[int, int | None] | None, interrupts: int, signum: int,
-             started: float) -> int:
-    """The launcher's last line and exit code: aborted, a failure named, a stop, or 0."""
+             started: float, finished: bool) -> int:
+    """The launcher's last line and exit code: aborted, a failure named, a stop, or 0.
+    ``finished``: result.json was written by this launch; a stop that came after it is no stop."""
     if interrupts > 1:
         print("hpc_train: aborted; workers killed", file=sys.stderr)
         return 130
@@ -301,6 +308,13 @@ def _outcome(run_dir: Path, failed: tuple[int, int | None] | None, interrupts: i
         print(f"hpc_train: worker rank {rank} failed ({how}): {_first_error(run_dir, rank, code)}\n"
               f"hpc_train: full log: {rundir.rank_log(run_dir, rank)}", file=sys.stderr)
         return 1
+    if finished:
+        # Workers the forwarded stop ended during the code after finish(), or their exit, did
+        # not fail the run: it had finished.
+        if interrupts:
+            print(f"hpc_train: the run had finished (result.json written) when {signal.Signals(signum).name} came; "
+                  "nothing to stop", file=sys.stderr)
+        return 0
     from hpc_train.records import result, stop
     rec, written = stop.written_since(run_dir, started)
     ended_by_stop = failed is None and written and not result.finished(run_dir)

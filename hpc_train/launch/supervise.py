@@ -38,6 +38,7 @@ from hpc_train.config import JobSection, TrainSection
 from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.stops import StopRequest
+from hpc_train.records import result
 
 from hpc_train.errors import EXIT_STOPPED, ScriptFailed
 
@@ -114,16 +115,23 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     logfile.close()
     code = proc.returncode
     stop.ignore_further()
+    # A stop that came after the script's own Run finished (its result.json) only cut short what
+    # the script did after finish(), or its exit; one that came once the script had ended by
+    # itself never reached it. The script finished either way: no stop to record.
+    finished = result.written_since(rd, started)
+    late = stop.requested and (finished or (code == 0 and not forwarded))
+    if late:
+        log.info("%s came after the script finished: not a stop", stop.name)
     # The script's own Run recorded a stop (a signal only it got, run.request_stop()) and exited
     # with the stopped code: that is a stop too, not a failure.
     own_stop = code == EXIT_STOPPED and _stop_recorded_since(rd, started, wait_s=10.0)
-    if stop.requested or own_stop:
+    if (stop.requested and not late) or own_stop:
         if stop.requested and not _stop_recorded_since(rd, started):
             record_stop(job, env, rd, stop, step=None, checkpoint=False)   # the script never saw it
         log.info("the script stopped (%s; it %s)", stop.name, _how(code))
         watchdog.say_ended(rd, env.rank, "stopped")
         return {"stopped": True, "exit_code": code}
-    if code != 0:
+    if code != 0 and not (late and finished):
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
         from hpc_train.records.ranks import node_name
         msg = f"rank {env.rank} on {node_name()}: {script} {_how(code)}; its last lines:\n{last}"
@@ -134,7 +142,6 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     # The run is finished when every rank's script is: rank 0 writes result.json only then. Were
     # it written when rank 0's own script ended, a rank failing later would leave a failed run
     # marked finished, and every rerun and requeue would do nothing.
-    from hpc_train.records import result
     if env.rank == 0 and _all_finished(timeout_s, env, rd, stop) and not result.finished(rd):
         result.write(rd, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                           "wall_seconds": time.time() - started})

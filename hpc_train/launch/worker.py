@@ -153,6 +153,7 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict, leaving: bool) -
             else:
                 from hpc_train.trainer.loop import Trainer
                 stop.listening = True   # the built-in loop acts on stops at its next step_end
+                stop.restore_at_finish = False   # no code of the user's after its finish(): see ignore_further below
                 trainer = Trainer(cfg, run)
                 out = trainer.fit()
         except SystemExit as e:
@@ -183,7 +184,7 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict, leaving: bool) -
             run.finish(out if isinstance(out, dict) else {"result": out})
         clean = True
         # The work is done: a stop signal now (the time limit's, a late preemption) must not
-        # kill this process during teardown, where Python has restored default handlers.
+        # kill this process during teardown, where finish() gave the default handlers back.
         stop.ignore_further()
         return out
     finally:

@@ -16,7 +16,8 @@ rank acts on rank 0's verdict together):
 
 :meth:`Session.close` undoes it in reverse, once, whatever happened: a finished run keeps no
 stale ``stopped.json``, every finished or stopped run has its ``goodput.json``, the heartbeat
-stops and the lock is released. ``Run.close()`` (torch side) calls it after its own teardown.
+stops, the lock is released and, inside a user's program, the stop signals' handlers found at
+step 1 are back. ``Run.close()`` (torch side) calls it after its own teardown.
 """
 
 from __future__ import annotations
@@ -77,7 +78,13 @@ class Session:
             if self.is_main and record_goodput:
                 goodput.record_segment(self.run_dir, self.started)
         finally:
-            self._resources.close()
+            try:
+                self._resources.close()
+            finally:
+                # Inside a user's program the handlers found at init() are back. A worker keeps
+                # ours to its os._exit: a late signal must not end its teardown (StopRequest.ignore_further).
+                if not self.own_process:
+                    self.stop.restore()
 
 
 def finished_result(run_dir: Path) -> dict[str, Any] | None:

@@ -13,6 +13,13 @@ Signals: SIGTERM (what a preemption without a user signal and the time limit sen
 ``run`` forwards on Ctrl-C), SIGINT, and the job's ``--signal`` (default USR2: NCCL may catch
 USR1). submitit installs its own USR2/TERM handlers in its worker (rank-0-only checkpoint,
 then exit); :func:`install` replaces them, so submitit's cannot cut in before ours.
+
+The handlers found at install are kept, as Lightning's signal connector keeps them: one the
+program installed itself is called after ours has recorded the stop (never a default action,
+nor submitit's: :func:`_chains_to`), and all are given back once the run is over
+(:meth:`StopRequest.restore`, from ``finish()`` and ``close()``; the job's signal:
+:meth:`StopRequest._given_back`), so code that goes on after training can be interrupted
+again. A signal after the finish is no stop.
 """
 
 from __future__ import annotations
@@ -36,7 +43,13 @@ class StopRequest:
         self.signum: int | None = None
         self.received_at: float | None = None
         self.count = 0
-        self._installed: list[int] = []
+        self._found: dict[int, Any] = {}    # each installed signal's handler before ours
+        self._given: dict[int, Any] = {}    # what restore() gave back in its place
+        # Set once the run finished (result.json written): a signal from then on is no stop.
+        self._done = False
+        # False where hpc_train's own code runs from finish() to the process's exit (the built-in
+        # trainer under the worker): finish() then keeps the handlers until that exit.
+        self.restore_at_finish = True
         # Set once the loop has called run.step_end (or restored): from then on a stop waits for the
         # loop's next step boundary. Code that never looks at the flag is ended instead (StopRun,
         # after ESCALATE_AFTER_S), and so is a loop that stops reaching step_end (an empty loader, a
@@ -73,15 +86,25 @@ class StopRequest:
         return signal.Signals(self.signum).name if self.signum else "none"
 
     def _handler(self, signum: int, frame: object) -> None:
-        # Async-signal context: assign and return. No I/O, no locks, no raising.
+        # Async-signal context: assign and return. No I/O, no locks, no raising of our own (the
+        # program's handler, called last, does what it would have done without hpc_train).
+        if self._raise_now:
+            # The escalation's own signal (see _escalate), not a new stop: nobody else's handler.
+            self._raise_now = False     # once: the unwinding code may itself be signalled again
+            raise StopRun(signal.Signals(signum).name)
         self.count += 1
+        self._record(signum)
+        found = self._found.get(signum)
+        if _chains_to(found):
+            found(signum, frame)
+
+    def _record(self, signum: int) -> None:
+        if self._done:
+            return      # the run finished: a signal now is no stop
         if self.signum is None:
             self.signum, self.received_at = signum, time.time()
             self._stopped_at = time.monotonic()
             self._quiet_at_stop = self._stopped_at - self._heard if self._heard is not None else 0.0
-        if self._raise_now:
-            self._raise_now = False     # once: the unwinding code may itself be signalled again
-            raise StopRun(signal.Signals(signum).name)
         if self.escalate and self._timer is None:
             # Give the loop a moment to reach its next run.step_end (a stop during start-up, or
             # one that reached a single rank, is then still agreed and saved); code that never
@@ -109,6 +132,8 @@ class StopRequest:
             if left > 0:
                 self._arm(left)
                 return
+        if not self.escalate:
+            return      # finish() or restore() meanwhile: the handler may be SIG_DFL again, which would kill
         self._raise_now = True
         # A real signal to the main thread, which runs _handler there (it raises). Not
         # _thread.interrupt_main: that only sets Python's flag, so code blocked in a call
@@ -116,31 +141,103 @@ class StopRequest:
         signal.pthread_kill(threading.main_thread().ident, self.signum)
 
     def install(self, signals: list[str], escalate: bool = False) -> None:
+        """Handle ``signals`` (names without SIG; those past SIGTERM and SIGINT are the job's),
+        keeping the handlers found, to call (:func:`_chains_to`) and to give back."""
         self.escalate = escalate
         if threading.current_thread() is not threading.main_thread():
             log.warning("not on the main thread; stop signals are not handled")
             return
         for name in dict.fromkeys(signals):
             sig = getattr(signal, f"SIG{name}")
-            signal.signal(sig, self._handler)
-            self._installed.append(sig)
+            found = signal.signal(sig, self._handler)
+            # An earlier Run's StopRequest left in place: nothing of the program's to call or give back.
+            self._found[sig] = None if isinstance(getattr(found, "__self__", None), StopRequest) else found
+
+    def _owned(self, sig: int) -> bool:
+        """Ours is the handler in place, or the one restore() gave back: not one the program
+        installed since."""
+        now = signal.getsignal(sig)
+        return now == self._handler or (sig in self._given and now == self._given[sig])
+
+    def _given_back(self, sig: int) -> Any:
+        found = self._found[sig]
+        if sig not in (signal.SIGTERM, signal.SIGINT) and not _chains_to(found):
+            # The job's signal: the scheduler sends it, because the job asked, as a warning ahead
+            # of the time limit. After the run it asks for nothing, and its default action would
+            # end the code that goes on after training (submitit's handler would requeue the
+            # finished job): ignored, unless the program had a handler of its own.
+            return signal.SIG_IGN
+        return signal.SIG_DFL if found is None else found   # None: set outside Python, not settable from it
+
+    def finished(self) -> None:
+        """The run finished (``result.json`` is written): a signal from now on is no stop, and
+        nothing escalates. The handlers found are given back, unless :attr:`restore_at_finish` is off."""
+        self._done = True
+        self._quiet()
+        if self.restore_at_finish:
+            self.restore()
+
+    def restore(self) -> None:
+        """Give back the handlers found at install (the job's signal: see :meth:`_given_back`),
+        wherever ours is still in place: one the program installed after ``init()`` stays. Idempotent."""
+        self._quiet()
+        if threading.current_thread() is threading.main_thread():
+            for sig in self._found:
+                if signal.getsignal(sig) == self._handler:
+                    self._given[sig] = self._given_back(sig)
+                    signal.signal(sig, self._given[sig])
 
     def ignore_further(self) -> None:
-        """After the last step: ignore the job's stop signals for good (SIG_IGN survives
-        interpreter teardown, a Python handler does not). SIGTERM and SIGINT are left as they
-        are, so the scheduler and the user can still end the process."""
+        """hpc_train's own teardown once the work is over (the worker, the supervisor): nothing
+        escalates; SIGTERM and SIGINT come to the recording handler again where finish() gave
+        them back, so a late one neither ends the teardown (an exit code the launcher would take
+        for a failure) nor, after a finish, counts as a stop; the job's signal is ignored for
+        good (SIG_IGN survives interpreter teardown, a Python handler does not). The process
+        then leaves through os._exit (worker.exit_done), or through submitit's exit."""
+        self._quiet()
+        if threading.current_thread() is threading.main_thread():
+            for sig in self._found:
+                signal.signal(sig, self._handler if sig in (signal.SIGTERM, signal.SIGINT) else signal.SIG_IGN)
+
+    def leaving_finished(self) -> None:
+        """A finished run's process exits (``init()``'s exit handler, before its teardown): from
+        here to the end SIGTERM and the job's signal are ignored, and SIGINT comes to our handler
+        (no stop now) until ``close()`` gives it back. That exit (hpc_train's teardown, then the
+        interpreter's: a second or more with torch loaded, where Python runs no handler) would
+        otherwise end by a late SIGTERM with 143, a finished run looking killed. Left alone: a
+        SIGTERM or job-signal handler of the program's own (its choice), and any handler it
+        installed after ``finish()``. Ctrl-C still ends a stuck interpreter teardown, SIGKILL always.
+
+        Hazard: an ignored signal is inherited by a process started from here on (by an exit
+        handler registered before ``init()``), which SIGTERM then cannot end."""
+        self._done = True
+        self._quiet()
+        if threading.current_thread() is threading.main_thread():
+            for sig, found in self._found.items():
+                if not self._owned(sig) or (sig != signal.SIGINT and _chains_to(found)):
+                    continue
+                signal.signal(sig, self._handler if sig == signal.SIGINT else signal.SIG_IGN)
+
+    def _quiet(self) -> None:
         self.escalate = False     # the work is done: a pending escalation must not end the teardown
         if self._timer is not None:
             self._timer.cancel()
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in self._installed:
-            if sig not in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
 
     def request(self, signum: int = signal.SIGTERM) -> None:
-        """Ask for a stop from code (tests, a user's callback): same path as a signal."""
-        self._handler(signum, None)
+        """Ask for a stop from code (tests, a user's callback): recorded and escalated as a signal
+        would be; the program's own handler is not called (no signal came)."""
+        self._record(signum)
+
+
+def _chains_to(found: Any) -> bool:
+    """Whether a handler found at install is called after ours records the stop: only one the
+    program installed itself. Never SIG_DFL (its action, ending the process, would come before
+    the save the stop is for), SIG_IGN (nothing to call), None (installed outside Python: not
+    callable from here), Python's ``default_int_handler`` (it raises KeyboardInterrupt wherever
+    the loop is: a graceful stop would become an interrupted step), nor submitit's (it
+    checkpoints on rank 0, requeues and exits by itself; one component owns the stop)."""
+    return (callable(found) and found is not signal.default_int_handler
+            and not str(getattr(found, "__module__", None) or "").startswith("submitit"))
 
 
 def stop_signals(job_signal: str) -> list[str]:

@@ -30,6 +30,14 @@ def finished(run_dir: Path) -> bool:
     return p.exists() or p.is_symlink()
 
 
+def written_since(run_dir: Path, since: float) -> bool:
+    """The run finished in a launch that started at ``since`` (or later)."""
+    try:
+        return path(run_dir).stat().st_mtime >= since
+    except OSError:
+        return False
+
+
 def read(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """The result: (values, None); (None, None) when the run is not finished; ({}, what is wrong)
     when it is finished but its record is damaged."""
