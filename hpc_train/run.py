@@ -46,6 +46,7 @@ from hpc_train.errors import EXIT_STOPPED, NonFiniteError, UsageError
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.session import Session
 from hpc_train.node.stops import Agreement, StopRequest, record_stop
+from hpc_train.records import result as result_record, stop as stop_record
 
 log = logging.getLogger("hpc_train")
 
@@ -215,8 +216,7 @@ class Run:
 
         DDP broadcasts rank 0's buffers at the start of every training forward, so rank 0's are
         the canonical ones; syncing makes the replicated tensors truly equal (DCP writes each
-        one from whichever rank it picks). Training is unchanged by it (the exactness tests).
-        """
+        one from whichever rank it picks). Training is unchanged by it (the exactness tests)."""
         if self._multi and self._replicated is not None:
             for buf in self._replicated.buffers():
                 dist.broadcast(buf, 0)
@@ -391,9 +391,7 @@ class Run:
         self._close()
         self._agreement.all_reached(self.device)   # a peer that left fails this: no result.json then
         if self.is_main:
-            from hpc_train.records import result
-            result.write(self.run_dir, out)
-            from hpc_train.records import stop as stop_record
+            result_record.write(self.run_dir, out)
             stop_record.remove(self.run_dir)   # now: a signal may end the code after finish()
             if self.config.log.tensorboard and (self.run_dir / rundir.TB).is_dir():
                 log.info("TensorBoard logs: tensorboard --logdir %s", self.run_dir / rundir.TB)
