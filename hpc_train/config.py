@@ -93,7 +93,7 @@ class DistSection:
     # At most a week: the value becomes a timedelta (overflows near 1e14 s) and a C++ timeout in ms.
     init_timeout_s: float = _f(300.0, min=1, max=_WEEK)   # rendezvous and first collective
     timeout_s: float = _f(600.0, min=1, max=_WEEK)        # every later collective (a dead rank fails the job)
-    threads_per_rank: int = _f(1, min=0)         # torch intra-op threads per rank; 0 = torch's default
+    threads_per_rank: int = _f(1, min=0)         # OMP_NUM_THREADS per rank, unless set; 0 = torch's default
 
 
 @dataclass

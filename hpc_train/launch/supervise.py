@@ -8,6 +8,7 @@ rules hold whether or not the script knows hpc_train:
   ``HPC_TRAIN_CONFIG``/``HPC_TRAIN_RUN_DIR`` for its ``hpc_train.init()``; it creates its own
   process group (an ``init_process_group`` of its own is fine: nothing here made one);
 * its stdout and stderr go to the console and to ``logs/rank-R.log``;
+* it gets ``OMP_NUM_THREADS`` from ``dist.threads_per_rank`` (set by the worker: :mod:`hpc_train.threads`);
 * a stop signal is recorded here and passed on as SIGTERM (what torchrun sends its workers).
   A script that uses ``Run`` saves at its next step boundary and exits; one that knows nothing
   of hpc_train ends as SIGTERM ends it. Either way the stop is a clean exit of this task, and
