@@ -2,6 +2,7 @@
 
 - Threads like torchrun (29.1): every rank gets ``OMP_NUM_THREADS`` from ``dist.threads_per_rank``
   unless the user set it, and one line says so, once per launch.
+- A script that never joins its process group is named by its own rank (29.2).
 
 Real processes throughout (`python -m hpc_train run`).
 """
@@ -9,11 +10,28 @@ Real processes throughout (`python -m hpc_train run`).
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import time
 
 import pytest
-from ckpt_helpers import clean_env, hpc, show
+from ckpt_helpers import clean_env, hpc, show, start
 
 THREADS_LINE = "setting OMP_NUM_THREADS={n} for each rank (dist.threads_per_rank; tune it there, or set OMP_NUM_THREADS)"
+
+
+def _wait_for(pred, timeout: float, what: str, p: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if p is not None and p.poll() is not None:
+            raise AssertionError(f"ended before {what}:\n{p.communicate()[1][-4000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _finish(p: subprocess.Popen, timeout: float = 60) -> subprocess.CompletedProcess:
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 # -- 29.1: threads ---------------------------------------------------------------------------
@@ -52,3 +70,62 @@ def test_a_function_trains_with_the_same_threads(tmp_path, env, sets, omp, torch
             *(x for s in sets for x in ("--set", s)), env=clean_env(**env))
     assert p.returncode == 0, show(p)
     assert json.loads((rd / "threads-rank0.json").read_text()) == {"omp": omp, "torch": torch_threads}
+
+
+# -- 29.2: a script that never joins its process group ----------------------------------------
+
+NEVER_JOINS = "import sys, time\ntime.sleep(float(sys.argv[1]))\nprint('trained alone', flush=True)\n"
+NOT_JOINED = re.compile(r"\[rank (\d)\] .* WARNING rank \1 has not joined the process group at 127\.0\.0\.1:\d+ "
+                        r"after 1 s; is the script reading the environment \(init_method='env://'\)\?")
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_a_script_that_never_joins_is_named_by_each_rank(tmp_path, nproc):
+    """The deadline is lowered to 1 s (the default is joined.JOIN_WARN_S, 60 s); a single rank
+    has no group to join and is never named. A warning, not a failure: the run finishes."""
+    script = tmp_path / "alone.py"
+    script.write_text(NEVER_JOINS)
+    p = hpc("run", "--script", script, "--nproc", str(nproc), "--run-dir", tmp_path / "run", "--", "3",
+            env=clean_env(HPC_TRAIN_JOIN_WARN_S="1"))
+    assert p.returncode == 0, show(p)
+    named = sorted(int(m.group(1)) for m in NOT_JOINED.finditer(p.stderr))
+    assert named == ([0, 1] if nproc == 2 else []), show(p)
+    assert p.stderr.count("has not joined") == len(named), show(p)
+
+
+JOINS = """\
+import os, subprocess, sys, time
+from pathlib import Path
+JOIN = '''
+import sys, time
+from pathlib import Path
+import torch.distributed as dist
+dist.init_process_group("gloo")
+while not Path(sys.argv[1]).exists():
+    time.sleep(0.05)
+dist.barrier()
+dist.destroy_process_group()
+'''
+if os.environ["RANK"] == "1":     # rank 1 joins from a process of its own: the script's tree counts
+    sys.exit(subprocess.run([sys.executable, "-c", JOIN, sys.argv[1]]).returncode)
+exec(JOIN)
+"""
+
+
+def test_a_script_that_joined_is_seen_joined_and_never_named(tmp_path):
+    """Each rank's supervisor sees the connection to MASTER_PORT (rank 0's store listens there,
+    rank 1's child connects), says so at DEBUG, and from then on never names the rank."""
+    script, release, rd = tmp_path / "joins.py", tmp_path / "release", tmp_path / "run"
+    script.write_text(JOINS)
+    p = start("run", "--script", script, "--nproc", "2", "--run-dir", rd, "--set", "log.level=DEBUG", "--", release,
+              env=clean_env(HPC_TRAIN_JOIN_WARN_S="60"))
+    try:
+        for r in (0, 1):
+            log = rd / "logs" / f"rank-{r}.log"
+            _wait_for(lambda: log.exists() and f"rank {r} joined the process group at 127.0.0.1:" in log.read_text(),
+                      120, f"rank {r} seen joined", p)
+    finally:
+        release.touch()
+    q = _finish(p)
+    assert q.returncode == 0, show(q)
+    assert "has not joined" not in q.stderr, show(q)

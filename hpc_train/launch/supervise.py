@@ -13,6 +13,8 @@ rules hold whether or not the script knows hpc_train:
   A script that uses ``Run`` saves at its next step boundary and exits; one that knows nothing
   of hpc_train ends as SIGTERM ends it. Either way the stop is a clean exit of this task, and
   rank 0 asks for the requeue: the script resumes from whatever it saved;
+* a script that has not joined its process group by its first minute is named
+  (:mod:`hpc_train.launch.joined`);
 * a script that exits non-zero fails the task, with the rank, the host and its last lines;
 * the run is finished (``result.json``, by rank 0) only once every rank's script exited 0;
 * the script dies with its supervisor, and its output is drained to the log whatever becomes
@@ -36,6 +38,7 @@ from typing import IO, Any
 
 from hpc_train import rundir
 from hpc_train.config import JobSection, TrainSection
+from hpc_train.launch import joined
 from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.stops import StopRequest
@@ -94,6 +97,8 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     # The script dies with this process: nothing of a run outlives its supervisor.
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=watchdog.die_with_parent())
+    watch = joined.JoinWatch(proc.pid, env.rank, env.world_size, env.master_addr, env.master_port,
+                             joined.warn_after(os.environ))
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     lock = threading.Lock()
     logfile = rundir.open_append(rundir.rank_log(rd, env.rank), binary=True)   # never through a symlink
@@ -103,6 +108,9 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         t.start()
     forwarded = False
     while proc.poll() is None:
+        never_joined = watch.poll()
+        if never_joined:
+            log.warning("%s", never_joined)
         if stop.requested and not forwarded:
             forwarded = True
             log.info("%s received: passing SIGTERM to the script (pid %d)", stop.name, proc.pid)
