@@ -138,6 +138,9 @@ class TrainSection:
     fn: str = _f("")                             # "pkg.mod:fn" replaces the built-in trainer
     script: str = _f("")                         # a script run on every task instead (python SCRIPT ARGS)
     args: list = _f([])                          # the script's arguments
+    # The job's signal (job.signal) reaches every process of a Slurm step: "term" starts the script
+    # with it ignored (it gets SIGTERM, once, from hpc_train); "passthrough" leaves it to the script.
+    script_signal: str = _f("term", choices=("term", "passthrough"))
     precision: str = _f("fp32", choices=("fp32", "bf16", "fp16"))   # autocast dtype; fp16 adds a GradScaler
     opt_level: str = _f("none", choices=("none", "O0", "O1", "O2"))   # Apex's names: O0=fp32, O1/O2=fp16 (precision.py)
 

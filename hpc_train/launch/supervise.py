@@ -13,6 +13,11 @@ rules hold whether or not the script knows hpc_train:
   A script that uses ``Run`` saves at its next step boundary and exits; one that knows nothing
   of hpc_train ends as SIGTERM ends it. Either way the stop is a clean exit of this task, and
   rank 0 asks for the requeue: the script resumes from whatever it saved;
+* the job's signal (``job.signal``), which Slurm sends to every process of the step, is ignored
+  by the script from its start (``train.script_signal: term``; a disposition that survives exec):
+  an unmodified script would die of it at once, before the SIGTERM it can save on. A script that
+  installs a handler for it (``hpc_train.init()`` does) gets it, and the stop counts once;
+  ``passthrough`` leaves the signal's default action to the script;
 * a script that has not joined its process group by its first minute is named
   (:mod:`hpc_train.launch.joined`);
 * a script that exits non-zero fails the task, with the rank, the host and its last lines;
@@ -94,9 +99,8 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     started = time.time()
     cmd = [sys.executable, "-u", str(script), *train.args]
     log.info("running %s", " ".join(cmd))
-    # The script dies with this process: nothing of a run outlives its supervisor.
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, preexec_fn=watchdog.die_with_parent())
+                            stderr=subprocess.PIPE, preexec_fn=_child_setup(job.signal, train.script_signal))
     watch = joined.JoinWatch(proc.pid, env.rank, env.world_size, env.master_addr, env.master_port,
                              joined.warn_after(os.environ))
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
@@ -155,6 +159,22 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         result.write(rd, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                           "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
+
+
+def _child_setup(job_signal: str, script_signal: str):
+    """The script's ``preexec_fn``: it dies with this process (nothing of a run outlives its
+    supervisor), and, unless ``passthrough``, starts with the job's signal ignored. Never SIGTERM
+    (``job.signal: TERM``): that is the stop the script gets."""
+    die = watchdog.die_with_parent()
+    sig = getattr(signal, f"SIG{job_signal}")
+    ignore = script_signal != "passthrough" and sig != signal.SIGTERM
+
+    def setup() -> None:
+        if ignore:
+            signal.signal(sig, signal.SIG_IGN)   # in the child, before exec: SIG_IGN survives it
+        if die is not None:
+            die()
+    return setup
 
 
 def _stop_recorded_since(rd: Path, since: float, wait_s: float = 0.0) -> bool:
