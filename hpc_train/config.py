@@ -194,7 +194,8 @@ class Config:
     def to_written_dict(self) -> dict[str, Any]:
         """The sections that apply, as ``config.yaml`` and ``config`` show them. A script or a
         function (``train.script``, ``train.fn``) never reads the built-in trainer's sections
-        (:data:`TRAINER_SECTIONS`): of those only the keys set away from their defaults are kept.
+        (:data:`TRAINER_SECTIONS`) and keys (:data:`TRAINER_KEYS`), nor the other's ``train`` keys:
+        of those only the keys set away from their defaults are kept.
         :func:`load` gives whatever is left out its default again."""
         d = self.to_dict()
         if self.train.script or self.train.fn:
@@ -205,6 +206,8 @@ class Config:
                     d[name] = kept
                 else:
                     del d[name]
+            unread = TRAINER_KEYS + (("fn",) if self.train.script else ("script", "args", "script_signal"))
+            d["train"] = {k: v for k, v in d["train"].items() if k not in unread or v != defaults["train"][k]}
         return d
 
     def to_yaml(self) -> str:
@@ -222,6 +225,7 @@ class Config:
 _SECTIONS = {f.name: f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}
 # Read only by the built-in trainer (hpc_train.trainer), never by a train.script or train.fn run.
 TRAINER_SECTIONS = ("data", "model", "optim")
+TRAINER_KEYS = ("epochs", "eval")   # the train section's keys that only the built-in trainer reads
 
 
 def _with_docs(text: str) -> str:
