@@ -93,7 +93,7 @@ class DistSection:
     # At most a week: the value becomes a timedelta (overflows near 1e14 s) and a C++ timeout in ms.
     init_timeout_s: float = _f(300.0, min=1, max=_WEEK)   # rendezvous and first collective
     timeout_s: float = _f(600.0, min=1, max=_WEEK)        # every later collective (a dead rank fails the job)
-    threads_per_rank: int = _f(1, min=0)         # torch intra-op threads per rank; 0 = torch's default
+    threads_per_rank: int = _f(1, min=0)         # OMP_NUM_THREADS per rank, unless set; 0 = torch's default
 
 
 @dataclass
@@ -138,6 +138,9 @@ class TrainSection:
     fn: str = _f("")                             # "pkg.mod:fn" replaces the built-in trainer
     script: str = _f("")                         # a script run on every task instead (python SCRIPT ARGS)
     args: list = _f([])                          # the script's arguments
+    # The job's signal (job.signal) reaches every process of a Slurm step: "term" starts the script
+    # with it ignored (it gets SIGTERM, once, from hpc_train); "passthrough" leaves it to the script.
+    script_signal: str = _f("term", choices=("term", "passthrough"))
     precision: str = _f("fp32", choices=("fp32", "bf16", "fp16"))   # autocast dtype; fp16 adds a GradScaler
     opt_level: str = _f("none", choices=("none", "O0", "O1", "O2"))   # Apex's names: O0=fp32, O1/O2=fp16 (precision.py)
 
@@ -191,7 +194,8 @@ class Config:
     def to_written_dict(self) -> dict[str, Any]:
         """The sections that apply, as ``config.yaml`` and ``config`` show them. A script or a
         function (``train.script``, ``train.fn``) never reads the built-in trainer's sections
-        (:data:`TRAINER_SECTIONS`): of those only the keys set away from their defaults are kept.
+        (:data:`TRAINER_SECTIONS`) and keys (:data:`TRAINER_KEYS`), nor the other's ``train`` keys:
+        of those only the keys set away from their defaults are kept.
         :func:`load` gives whatever is left out its default again."""
         d = self.to_dict()
         if self.train.script or self.train.fn:
@@ -202,6 +206,8 @@ class Config:
                     d[name] = kept
                 else:
                     del d[name]
+            unread = TRAINER_KEYS + (("fn",) if self.train.script else ("script", "args", "script_signal"))
+            d["train"] = {k: v for k, v in d["train"].items() if k not in unread or v != defaults["train"][k]}
         return d
 
     def to_yaml(self) -> str:
@@ -219,6 +225,7 @@ class Config:
 _SECTIONS = {f.name: f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}
 # Read only by the built-in trainer (hpc_train.trainer), never by a train.script or train.fn run.
 TRAINER_SECTIONS = ("data", "model", "optim")
+TRAINER_KEYS = ("epochs", "eval")   # the train section's keys that only the built-in trainer reads
 
 
 def _with_docs(text: str) -> str:

@@ -38,6 +38,7 @@ LAUNCHED_AT_ENV = "HPC_TRAIN_LAUNCHED_AT"   # the local launcher's start (goodpu
 LOCK_HELD_ENV = "HPC_TRAIN_LOCK_HELD"    # the pid of this job's process that holds the lock
 ATTEMPT_ENV = "HPC_TRAIN_ATTEMPT"        # the batch script's job step in its allocation: 1, 2, ...
 BATCH_START_ENV = "HPC_TRAIN_BATCH_START"   # when the batch shell started (its job's own saves are newer)
+JOIN_WARN_ENV = "HPC_TRAIN_JOIN_WARN_S"  # tests only: when a script that never joined its group is named
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -466,3 +466,14 @@ def slow_build_mlp(cfg):
     if d:
         Path(d, f"built-rank{run.rank}").write_text(json.dumps({"stop_requested": run.stop_requested}))
     return models.build(dataclasses.replace(cfg, name="mlp"))
+
+
+def threads_report(cfg, env, device):
+    """What this rank trains with: ``OMP_NUM_THREADS`` and torch's intra-op threads, written to
+    ``RUN_DIR/threads-rank<R>.json``."""
+    import json
+
+    import torch
+    Path(cfg.resolved_run_dir(), f"threads-rank{env.rank}.json").write_text(
+        json.dumps({"omp": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads()}))
+    return {}

@@ -110,3 +110,38 @@ def test_a_plain_sbatch_script_refuses_a_changed_model_before_it_trains(tmp_path
     assert "refused" in job.stderr and not (tmp_path / "scontrol.calls").exists(), job.stderr[-3000:]
     assert (rd / "config.yaml").read_text() == before
     assert steps(rd) == [2, 1] and not (rd / "result.json").exists()
+
+
+
+def test_the_torchrun_script_gives_every_rank_threads_per_rank_before_torchrun_sets_its_own(tmp_path):
+    """Issue 29.1 under the torchrun launcher: torchrun sets OMP_NUM_THREADS=1 for its workers
+    where it is unset (with its own warning), which the workers could not tell from the user's.
+    The batch script sets dist.threads_per_rank first and says so once; a user's value wins.
+    Real bash and, once, real torchrun (2 workers) with real supervised scripts."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nprint('OMP_NUM_THREADS seen:', os.environ.get('OMP_NUM_THREADS'), flush=True)\n")
+    out, rd = tmp_path / "torchrun.sbatch", tmp_path / "run"
+    p = hpc("sbatch", "--script", script, "--launcher", "torchrun", "--run-dir", rd, "-o", out,
+            "--set", "job.tasks_per_node=2", "--set", "dist.threads_per_rank=2")
+    assert p.returncode == 0, show(p)
+    from hpc_train.launch.local import free_port
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1",
+           "SLURMD_NODENAME": "node1", "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/root"),
+           "MASTER_PORT": str(free_port())}
+    said = "hpc_train: setting OMP_NUM_THREADS=2 for each rank (dist.threads_per_rank;"
+    # The user's own value: left as it is, nothing said (srun only shows what its command would get).
+    job = subprocess.run(["bash", "-c", 'srun() { echo "srun gets OMP_NUM_THREADS=$OMP_NUM_THREADS"; exit 0; }\n'
+                          + out.read_text()], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={**env, "OMP_NUM_THREADS": "3"})
+    assert job.returncode == 0 and "srun gets OMP_NUM_THREADS=3" in job.stdout, job.stdout + job.stderr
+    assert said not in job.stderr, job.stderr
+    srun = ('srun() { while [ "${1#-}" != "$1" ]; do shift; done; SLURM_STEP_ID=0 SLURM_PROCID=0 SLURM_LOCALID=0 '
+            'SLURM_NODEID=0 SLURM_NTASKS=1 SLURM_STEP_NUM_NODES=1 SLURM_STEP_NODELIST=node1 SLURM_TASKS_PER_NODE=1 '
+            'MASTER_ADDR=127.0.0.1 "$@"; }\n')
+    job = subprocess.run(["bash", "-c", srun + out.read_text()], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert job.returncode == 0, job.stderr[-3000:]
+    for r in (0, 1):
+        assert "OMP_NUM_THREADS seen: 2\n" in (rd / "logs" / f"rank-{r}.log").read_text()
+    assert "Setting OMP_NUM_THREADS environment variable" not in job.stderr, job.stderr[-3000:]   # torchrun's own
+    assert job.stderr.count(said) == 1, job.stderr[-3000:]

@@ -302,6 +302,11 @@ def test_a_script_runs_config_holds_only_the_sections_that_apply(tmp_path):
     assert set(written) == {"seed", "run_dir", "job", "dist", "optim", "train", "checkpoint", "log"}, written
     assert written["optim"] == {"lr": 0.5}
     assert written["train"]["script"] == str(script) and written["train"]["args"] == ["a"]
+    # Of the train section, only what a script is given or its init() reads (issue 29): the
+    # built-in trainer's epochs and eval, and train.fn, are left out; the threads are applied.
+    assert set(written["train"]) == {"max_steps", "log_every", "script", "args", "script_signal", "precision",
+                                     "opt_level"}, written["train"]
+    assert written["dist"]["threads_per_rank"] == 1
     # Read back, whatever is left out takes its default: by config.load, by the script's
     # hpc_train.init() (through HPC_TRAIN_CONFIG), and by the resume check.
     back = config.load(rd / "config.yaml")
@@ -315,6 +320,9 @@ def test_a_function_runs_config_leaves_out_the_trainer_sections_and_the_default_
     fn = config.load(None, ["train.fn=tests.plugins_for_tests:world_report", "model.hidden=7"])
     d = yaml.safe_load(fn.to_yaml())
     assert "data" not in d and "optim" not in d and d["model"] == {"hidden": 7}, d
+    assert set(d["train"]) == {"max_steps", "log_every", "fn", "precision", "opt_level"}, d["train"]
+    kept = yaml.safe_load(config.load(None, ["train.script=x.py", "train.epochs=3"]).to_yaml())["train"]
+    assert kept["epochs"] == 3 and "eval" not in kept      # a key set away from its default stays
     assert config.from_dict(d).to_dict() == fn.to_dict()
     builtin = yaml.safe_load(config.load(DIGITS).to_yaml())
     assert {"data", "model", "optim"} <= set(builtin)

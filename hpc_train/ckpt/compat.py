@@ -21,7 +21,7 @@ _FIXED_ON_RESUME = ("model.name", "model.hidden", "optim.name", "dist.strategy",
                     "data.name", "data.batch_size")   # (the data: a loader resumes mid-epoch by position)
 # These describe where and how the job runs, not what it learns: they change freely.
 _FREE_ON_RESUME = ("job.", "run_dir", "log.", "dist.backend", "dist.timeout_s", "dist.init_timeout_s",
-                   "dist.threads_per_rank", "checkpoint.")
+                   "dist.threads_per_rank", "checkpoint.", "train.script_signal")
 
 
 def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list[str]]:

@@ -8,10 +8,18 @@ rules hold whether or not the script knows hpc_train:
   ``HPC_TRAIN_CONFIG``/``HPC_TRAIN_RUN_DIR`` for its ``hpc_train.init()``; it creates its own
   process group (an ``init_process_group`` of its own is fine: nothing here made one);
 * its stdout and stderr go to the console and to ``logs/rank-R.log``;
+* it gets ``OMP_NUM_THREADS`` from ``dist.threads_per_rank`` (set by the worker: :mod:`hpc_train.threads`);
 * a stop signal is recorded here and passed on as SIGTERM (what torchrun sends its workers).
   A script that uses ``Run`` saves at its next step boundary and exits; one that knows nothing
   of hpc_train ends as SIGTERM ends it. Either way the stop is a clean exit of this task, and
   rank 0 asks for the requeue: the script resumes from whatever it saved;
+* the job's signal (``job.signal``), which Slurm sends to every process of the step, is ignored
+  by the script from its start (``train.script_signal: term``; a disposition that survives exec):
+  an unmodified script would die of it at once, before the SIGTERM it can save on. A script that
+  installs a handler for it (``hpc_train.init()`` does) gets it, and the stop counts once;
+  ``passthrough`` leaves the signal's default action to the script;
+* a script that has not joined its process group by its first minute is named
+  (:mod:`hpc_train.launch.joined`);
 * a script that exits non-zero fails the task, with the rank, the host and its last lines;
 * the run is finished (``result.json``, by rank 0) only once every rank's script exited 0;
 * the script dies with its supervisor, and its output is drained to the log whatever becomes
@@ -35,6 +43,7 @@ from typing import IO, Any
 
 from hpc_train import rundir
 from hpc_train.config import JobSection, TrainSection
+from hpc_train.launch import joined
 from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.stops import StopRequest
@@ -90,9 +99,10 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     started = time.time()
     cmd = [sys.executable, "-u", str(script), *train.args]
     log.info("running %s", " ".join(cmd))
-    # The script dies with this process: nothing of a run outlives its supervisor.
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, preexec_fn=watchdog.die_with_parent())
+                            stderr=subprocess.PIPE, preexec_fn=_child_setup(job.signal, train.script_signal))
+    watch = joined.JoinWatch(proc.pid, env.rank, env.world_size, env.master_addr, env.master_port,
+                             joined.warn_after(os.environ))
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     lock = threading.Lock()
     logfile = rundir.open_append(rundir.rank_log(rd, env.rank), binary=True)   # never through a symlink
@@ -102,6 +112,9 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         t.start()
     forwarded = False
     while proc.poll() is None:
+        never_joined = watch.poll()
+        if never_joined:
+            log.warning("%s", never_joined)
         if stop.requested and not forwarded:
             forwarded = True
             log.info("%s received: passing SIGTERM to the script (pid %d)", stop.name, proc.pid)
@@ -146,6 +159,22 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         result.write(rd, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                           "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
+
+
+def _child_setup(job_signal: str, script_signal: str):
+    """The script's ``preexec_fn``: it dies with this process (nothing of a run outlives its
+    supervisor), and, unless ``passthrough``, starts with the job's signal ignored. Never SIGTERM
+    (``job.signal: TERM``): that is the stop the script gets."""
+    die = watchdog.die_with_parent()
+    sig = getattr(signal, f"SIG{job_signal}")
+    ignore = script_signal != "passthrough" and sig != signal.SIGTERM
+
+    def setup() -> None:
+        if ignore:
+            signal.signal(sig, signal.SIG_IGN)   # in the child, before exec: SIG_IGN survives it
+        if die is not None:
+            die()
+    return setup
 
 
 def _stop_recorded_since(rd: Path, since: float, wait_s: float = 0.0) -> bool:

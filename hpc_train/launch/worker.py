@@ -20,7 +20,7 @@ from typing import Any
 
 from hpc_train import config as config_mod
 from hpc_train import rundir
-from hpc_train import goodput
+from hpc_train import goodput, threads
 from hpc_train.node import environment, session, watchdog
 from hpc_train.config import Config
 from hpc_train.errors import RunFailure, ScriptFailed, UsageError, says_peer_lost
@@ -50,6 +50,10 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
             # A finished run never trains again, whether requeued or resubmitted.
             log.info("%s holds a finished run (result.json); not training again", rd)
             return s.finished
+        # Before anything of the run imports torch (a script child reads it at its own import).
+        n = threads.apply(os.environ, cfg.dist.threads_per_rank)
+        if n is not None and env.rank == 0:
+            log.info("%s", threads.line(n))
         if prelaunch and env.rank == 0:
             from hpc_train.trainer.signature import expected
             session.prelaunch(s, os.environ.get(rundir.RESUME_ENV, "latest"),

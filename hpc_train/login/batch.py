@@ -19,6 +19,7 @@ import shlex
 import sys
 from typing import Any
 
+from hpc_train import threads as omp
 from hpc_train.config import JobSection, time_minutes
 from hpc_train.rundir import ATTEMPT_ENV, BATCH_START_ENV
 from hpc_train.login import nodes
@@ -58,6 +59,15 @@ def options(job: JobSection, launcher: str = "srun") -> dict[str, Any]:
     if nodes.guards_nodes(job):     # the allocation outlives a lost node (login.nodes)
         opts["no-kill"] = True
     return opts
+
+
+def threads(threads_per_rank: int) -> str:
+    """A shell line that sets ``OMP_NUM_THREADS`` for every rank and says so once, unless it is
+    set already or ``threads_per_rank`` is 0 (:mod:`hpc_train.threads`)."""
+    if threads_per_rank <= 0:
+        return "# dist.threads_per_rank=0: OMP_NUM_THREADS is left as it is (torch's default)"
+    say = shlex.quote(f"hpc_train: {omp.line(threads_per_rank)}")
+    return (f'if [ -z "${{{omp.VAR}:-}}" ]; then export {omp.VAR}={threads_per_rank}; echo {say} >&2; fi')
 
 
 def filename_pattern(path: object) -> str:

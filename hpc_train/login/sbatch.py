@@ -52,6 +52,7 @@ class SbatchScript:
             "run_dir": q(self.run_dir), "config_yaml": config_yaml, "eof": eof,
             "setup": "\n".join(job.setup), "python": q(sys.executable), "resume": q(self.resume),
             "loop": "\n".join([*loop.before(), *loop.start()]), "after": "\n".join(loop.after()),
+            "threads": batch.threads(self.cfg.dist.threads_per_rank),
         }
         return render((TEMPLATES / f"{self.launcher}.sbatch").read_text(), values)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hpc_train import threads
 from hpc_train.errors import RendezvousError
 from hpc_train.config import DistSection
 from hpc_train.node.environment import NodeEnv
@@ -41,10 +43,11 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
-def bind_device(env: NodeEnv, backend: str, threads_per_rank: int, strategy: str = "ddp") -> torch.device:
-    if threads_per_rank > 0:
+def bind_device(env: NodeEnv, backend: str, num_threads: int, strategy: str = "ddp") -> torch.device:
+    """``num_threads``: torch's intra-op threads (0: torch's default); see :mod:`hpc_train.threads`."""
+    if num_threads > 0:
         # Ranks sharing cores each with several threads oversubscribe them: slower than one each.
-        torch.set_num_threads(threads_per_rank)
+        torch.set_num_threads(num_threads)
     if backend == "nccl":
         count = torch.cuda.device_count()
         if env.local_rank >= count:
@@ -105,7 +108,7 @@ def _import_behind(names: tuple[str, ...]) -> threading.Thread:
 def init(env: NodeEnv, cfg: DistSection) -> torch.device:
     """Join the job's process group and check it with one small all-reduce."""
     backend = choose_backend(cfg.backend)
-    device = bind_device(env, backend, cfg.threads_per_rank, cfg.strategy)
+    device = bind_device(env, backend, threads.for_torch(os.environ, cfg.threads_per_rank), cfg.strategy)
     ahead = _import_behind(("torch._dynamo",)) if cfg.strategy == "ddp" and env.world_size > 1 else None
     try:
         return _join(env, cfg, backend, device)

@@ -179,3 +179,69 @@ def test_unaware_torchrun_script_is_requeued_then_restarted_in_place_from_its_sn
     assert not (run_dir / "stopped.json").exists(), "a stale stopped.json after the run finished"
     segments = json.loads((run_dir / "goodput.json").read_text())["segments"]
     assert len(segments) == 3 and [bool(s.get("in_place")) for s in segments] == [False, False, True], segments
+
+
+SAVES_ON_SIGTERM = """\
+# A script that knows nothing of hpc_train and saves only when SIGTERM comes, as torchrun users
+# are taught; it resumes from that snapshot when it starts again.
+import json, os, signal, sys, time
+snap, steps, rank = sys.argv[1], int(sys.argv[2]), int(os.environ["RANK"])
+step, came_at = 0, None
+def on_term(signum, frame):
+    global came_at
+    came_at = step
+signal.signal(signal.SIGTERM, on_term)
+if os.path.exists(snap):
+    with open(snap) as f:
+        step = json.load(f)["step"]
+    print(f"resumed from snapshot at step {step}", flush=True)
+while step < steps and came_at is None:
+    time.sleep(0.1)
+    step += 1
+    if rank == 0:
+        print(f"step {step}", flush=True)
+if came_at is not None:
+    if rank == 0:
+        with open(snap + ".tmp", "w") as f:
+            json.dump({"step": step}, f)
+        os.replace(snap + ".tmp", snap)
+        print(f"SIGTERM came at step {came_at}; saved snapshot at step {step}", flush=True)
+    sys.exit(0)
+print(f"done at step {step}", flush=True)
+"""
+
+
+def test_an_unmodified_script_saves_on_sigterm_when_preempted_and_is_requeued_once(slurm, tmp_path):
+    """Issue 33.1: preemption sends job.signal (USR2) to every process of the step, the script
+    included (preempt_send_user_signal). The script, which has no USR2 handler, is not killed by
+    it: it gets SIGTERM from hpc_train, saves the step it had reached (within one), and the job
+    is requeued exactly once and resumes from that snapshot to the end."""
+    script, snap, run_dir = tmp_path / "saves_on_sigterm.py", tmp_path / "snap.json", tmp_path / "job"
+    script.write_text(SAVES_ON_SIGTERM)
+    steps = 600
+    r = slurm.cli("submit", "--script", script, "--nodes", "2", "--partition", "low", "--run-dir", run_dir,
+                  "--", snap, str(steps))
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    slurm.wait_state(job, {"RUNNING"}, 120)
+    log0 = run_dir / "logs" / "rank-0.log"
+    deadline = time.monotonic() + 120
+    while not (log0.exists() and re.search(r"^step 50$", log0.read_text(), re.M)):
+        assert time.monotonic() < deadline, log0.read_text()[-3000:] if log0.exists() else "no rank-0.log"
+        time.sleep(0.3)
+    slurm.preempt_all()
+    assert slurm.wait_done(job, 400) == "COMPLETED"
+    runs = slurm.sacct(job)
+    assert len(runs) == 2 and runs[-1]["State"] == "COMPLETED", runs       # requeued exactly once
+    assert slurm.restarts(job) == 1
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert rec["counts"] == {"preemption": 1, "timeout": 0, "failure": 0}, rec
+    text = log0.read_text()
+    came, saved = map(int, re.search(r"SIGTERM came at step (\d+); saved snapshot at step (\d+)", text).groups())
+    assert 50 <= came <= saved <= came + 1, (came, saved)
+    assert f"resumed from snapshot at step {saved}" in text and f"done at step {steps}" in text, text[-3000:]
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert "killed by SIGUSR2" not in log, log[-3000:]
+        assert "SIGUSR2 received: passing SIGTERM to the script" in log, log[-3000:]
+    assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
