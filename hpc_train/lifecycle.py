@@ -112,7 +112,7 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
             group.shutdown(True)
         raise SystemExit(2)
     run = start(s, device, owns_group=owns)
-    atexit.register(_at_exit, run)
+    atexit.register(_at_exit, run, not under_launcher)
     _one_line_failures(run)
     return run
 
@@ -190,11 +190,16 @@ def resume_hint(source: str) -> str:
     return shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
 
 
-def _at_exit(run: Run) -> None:
+def _at_exit(run: Run, owns_command_line: bool = True) -> None:
     """The exit of a process whose Run ``init()`` built: the one teardown, then, after a stop,
     a non-zero exit code, so a shell, torchrun and Slurm see that the run did not finish (a
     loop that ends with ``raise SystemExit`` or falls off the end would exit 0). A finished
     run's exit ignores SIGTERM and the job's signal (see ``StopRequest.leaving_finished``).
+
+    ``owns_command_line``: the user typed this process's command (``python train.py``,
+    ``torchrun``, ``srun``). A script supervised by hpc_train's launchers did not: its own
+    command line (``python -u train.py ...``) starts another run when followed, so only the
+    launcher, which knows the command the user typed, says how to resume.
 
     Hazard: leaving through ``os._exit`` skips exit handlers registered before ``init()``;
     those registered after it (the user's, usually) have run already, and logging is flushed here."""
@@ -205,7 +210,7 @@ def _at_exit(run: Run) -> None:
         run.close(failed=failed)
     finally:
         if run.stopped and not failed:
-            if run.is_main:
+            if run.is_main and owns_command_line:
                 print(f"hpc_train: stopped by {run.stop.name} at step {run.stop_step} "
                       f"({'checkpoint saved' if run.config.checkpoint.enabled else 'nothing saved: checkpoints are off'}); "
                       f"resume with: {resume_hint(run.env.source)}", file=sys.stderr)
