@@ -146,3 +146,20 @@ def test_the_code_a_run_directory_was_trained_by_is_compared_by_what_it_names():
     assert code_change(builtin, script, sig) == ("the built-in trainer (model convnet)", "the script /w/main.py")
     assert code_change(script, fn, None) == ("the script /w/main.py", "the function pkg.mod:main")
     assert code_change(fn, builtin, None) == ("the function pkg.mod:main", "the built-in trainer (model convnet)")
+
+
+def test_new_arguments_on_a_finished_run_of_a_script_without_hpc_train_are_refused(tmp_path):
+    """The issue's case: a torchrun-style script that knows nothing of hpc_train, finished, rerun
+    with other arguments. They were silently ignored ("nothing to do", exit 0)."""
+    main = tmp_path / "main.py"
+    main.write_text("import sys\nprint('args', sys.argv[1:])\n")
+    rd = tmp_path / "run"
+    p = hpc("run", "--script", main, "--run-dir", rd, *QUIET, "--", "--epochs", "3")
+    assert p.returncode == 0 and (rd / "result.json").is_file(), show(p)
+    before = snapshot(rd)
+    line = _one_line(hpc("run", "--script", main, "--run-dir", rd, "--", "--epochs", "5"))
+    assert line == (f"hpc_train: error: {rd} holds a finished run of main.py with arguments [--epochs 3]; these "
+                    f"are [--epochs 5]: use --resume none to start over, or another --run-dir"), line
+    p = hpc("run", "--script", main, "--run-dir", rd, "--", "--epochs", "3")
+    assert p.returncode == 0 and "nothing to do" in p.stderr and "args" not in p.stdout, show(p)
+    assert snapshot(rd) == before
