@@ -8,7 +8,7 @@
 2. its lock (when the caller asks: ``run`` holds it for the run, ``submit`` only checks that no
    run holds it, ``init()`` and the job step took it already);
 3. the config is compared with the one the run's checkpoints were made with: a change that
-   cannot apply to them (another model, optimizer, strategy, another script file) is refused
+   cannot apply to them (another model, optimizer, strategy, a script of another name) is refused
    before anything trains, so a changed model is never trained over its old checkpoints; a
    finished run asked for something else (other script arguments) is refused, not ignored;
 4. the resume plan (:func:`hpc_train.ckpt.store.plan`): what to resume from, ``none`` moving
