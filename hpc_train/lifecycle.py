@@ -69,12 +69,16 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
     try:
         cfg = config if isinstance(config, Config) else config_mod.load(
             str(config) if config else os.environ.get(rundir.CONFIG_ENV), list(overrides))
+        if not under_launcher:
+            cfg = _name_own_program(cfg)
         script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else ""
         rd = Path(run_dir or os.environ.get(rundir.RUN_DIR_ENV) or cfg.run_dir or f"runs/{script or 'hpc_train'}")
         # A finished run: every rank reads the same record (nothing runs), and leaves before
         # anything is written, its log included.
         done = session_mod.finished_result(rd) if resume != "none" else None
         if done is not None:
+            from hpc_train.ckpt import compat
+            compat.check_finished(rd, cfg, launched=under_launcher)   # other arguments: refused, not ignored
             from hpc_train.node import environment
             if environment.current().rank == 0:
                 print(session_mod.finished_line(rd, done, f"{rundir.RESUME_ENV}=none"), file=sys.stderr)
@@ -112,9 +116,22 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
             group.shutdown(True)
         raise SystemExit(2)
     run = start(s, device, owns_group=owns)
-    atexit.register(_at_exit, run)
+    atexit.register(_at_exit, run, not under_launcher)
     _one_line_failures(run)
     return run
+
+
+def _name_own_program(cfg: Config) -> Config:
+    """A user's own program (``python main.py``, ``torchrun main.py``) names itself in its config,
+    as ``run --script main.py`` does (``train.script``, ``train.args``): its run directory is then
+    one run whichever way the file is started, and a finished run tells other arguments from its
+    own. Interactive code (a notebook, ``python -c``) has no file of its own and names none."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if cfg.train.script or cfg.train.fn or not main_file or not Path(main_file).is_file():
+        return cfg
+    import dataclasses
+    train = dataclasses.replace(cfg.train, script=str(Path(main_file).absolute()), args=list(sys.argv[1:]))
+    return dataclasses.replace(cfg, train=train)   # a Config the caller passed in stays as it was
 
 
 def _one_line_failures(run: Run) -> None:
@@ -190,11 +207,16 @@ def resume_hint(source: str) -> str:
     return shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
 
 
-def _at_exit(run: Run) -> None:
+def _at_exit(run: Run, owns_command_line: bool = True) -> None:
     """The exit of a process whose Run ``init()`` built: the one teardown, then, after a stop,
     a non-zero exit code, so a shell, torchrun and Slurm see that the run did not finish (a
     loop that ends with ``raise SystemExit`` or falls off the end would exit 0). A finished
     run's exit ignores SIGTERM and the job's signal (see ``StopRequest.leaving_finished``).
+
+    ``owns_command_line``: the user typed this process's command (``python train.py``,
+    ``torchrun``, ``srun``). A script supervised by hpc_train's launchers did not: its own
+    command line (``python -u train.py ...``) starts another run when followed, so only the
+    launcher, which knows the command the user typed, says how to resume.
 
     Hazard: leaving through ``os._exit`` skips exit handlers registered before ``init()``;
     those registered after it (the user's, usually) have run already, and logging is flushed here."""
@@ -205,7 +227,7 @@ def _at_exit(run: Run) -> None:
         run.close(failed=failed)
     finally:
         if run.stopped and not failed:
-            if run.is_main:
+            if run.is_main and owns_command_line:
                 print(f"hpc_train: stopped by {run.stop.name} at step {run.stop_step} "
                       f"({'checkpoint saved' if run.config.checkpoint.enabled else 'nothing saved: checkpoints are off'}); "
                       f"resume with: {resume_hint(run.env.source)}", file=sys.stderr)

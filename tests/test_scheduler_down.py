@@ -1,10 +1,11 @@
 """A scheduler that does not answer: a failed ``squeue`` or ``sacct`` leaves a job unknown, never
 ended (submitit's InfoWatcher does the same). ``status`` says so in one line and still shows the
-run directory, ``cancel`` refuses and sends no ``scancel``, ``scheduler.wait`` keeps polling.
+run directory, ``cancel`` refuses and sends no ``scancel``, ``scheduler.wait`` keeps polling, and
+``submit`` says in one line that no controller can be reached (issue 29.4), submitting nothing.
 
 A controller that is down cannot be caused on demand here (the real cluster is shared, and
-tests/slurm/ needs it up), so ``squeue``, ``sacct`` and ``scancel`` are small scripts on PATH that
-answer as Slurm 22.05 does, word for word, and record every call in ``calls``.
+tests/slurm/ needs it up), so ``squeue``, ``sacct``, ``sinfo``, ``sbatch`` and ``scancel`` are small
+scripts on PATH that answer as Slurm 22.05 does, word for word, and record every call in ``calls``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from hpc_train.login import scheduler
 DOWN = {  # what each command prints, and its exit status, while slurmctld and slurmdbd are down
     "squeue": ("slurm_load_jobs error: Unable to contact slurm controller (connect failure)", 1),
     "sacct": ("sacct: error: Problem talking to the database: Connection refused", 1),
+    "sinfo": ("slurm_load_partitions: Unable to contact slurm controller (connect failure)", 1),
 }
+# What sinfo 22.05 prints on a machine that knows no controller at all (no slurm.conf, no DNS SRV
+# record for one), word for word as measured with the real sinfo here and SLURM_CONF unset.
+SINFO_NO_CONTROLLER = """\
+sinfo: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host
+sinfo: error: fetch_config: DNS SRV lookup failed
+sinfo: error: _establish_config_source: failed to fetch config
+sinfo: fatal: Could not establish a configuration source"""
 SQUEUE_DOWN = "squeue failed: slurm_load_jobs error: Unable to contact slurm controller (connect failure)"
 
 
@@ -166,3 +175,20 @@ def test_submit_refuses_a_run_directory_whose_job_may_still_be_live(tmp_path, ru
     assert p.returncode == 2, show(p)
     assert (f"a real submit would refuse this: {run_dir} belongs to job 5, and the scheduler did not say whether "
             f"it is still live ({SQUEUE_DOWN})") in p.stderr, show(p)
+
+
+@pytest.mark.parametrize("sinfo, line", [
+    (f"cat >&2 <<'EOF'\n{SINFO_NO_CONTROLLER}\nEOF\nexit 1",
+     "no Slurm controller can be reached from here (sinfo: fatal: Could not establish a configuration source: no "
+     "slurm.conf, and no DNS record names a controller); submit from a login node of the cluster, or set "
+     "SLURM_CONF; nothing was submitted"),
+    (_down("sinfo"), "the Slurm controller does not answer (slurm_load_partitions: Unable to contact slurm "
+                     "controller (connect failure)); is slurmctld up? nothing was submitted"),
+], ids=["no-controller-known", "controller-down"])
+def test_submit_without_a_reachable_controller_is_one_line(tmp_path, sinfo, line):
+    env = _tools(tmp_path, sinfo=sinfo, sbatch="exit 1")
+    rd = tmp_path / "new-run"
+    p = hpc("submit", "jobs/digits.yaml", "--run-dir", rd, env=env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, show(p)
+    assert p.stderr.splitlines() == [f"hpc_train: error: {line}"], show(p)
+    assert _calls(tmp_path) == ["sinfo"] and not rd.exists()     # nothing submitted, nothing written

@@ -5,20 +5,25 @@ Checked before any worker starts (``run``, ``submit``), so a refused change cost
 
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from hpc_train import rundir
+from hpc_train.ckpt import store
 from hpc_train.config import Config
 from hpc_train.errors import UsageError
 
 # Resuming with a changed config. These cannot apply to a saved state: the weights or the
-# optimizer state would not fit, or the code that trains is another one.
-_FIXED_ON_RESUME = ("model.name", "model.hidden", "optim.name", "dist.strategy", "train.fn", "train.script",
+# optimizer state would not fit. (Which code trains, train.script or train.fn, is compared by
+# code_change: a script by its file name, not by the text of the field.)
+_FIXED_ON_RESUME = ("model.name", "model.hidden", "optim.name", "dist.strategy",
                     "train.precision",   # fp16 adds the scaler's state; opt_level is written as precision
                     "data.name", "data.batch_size")   # (the data: a loader resumes mid-epoch by position)
+_CODE = ("train.script", "train.fn")
 # These describe where and how the job runs, not what it learns: they change freely.
 _FREE_ON_RESUME = ("job.", "run_dir", "log.", "dist.backend", "dist.timeout_s", "dist.init_timeout_s",
                    "dist.threads_per_rank", "checkpoint.", "train.script_signal")
@@ -44,27 +49,123 @@ def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list
     before, after = {**flat(Config().to_dict()), **flat(old)}, flat(new.to_dict())
     refused, applied = [], []
     for key in sorted(set(before) | set(after)):
-        if before.get(key) == after.get(key) or key.startswith(_FREE_ON_RESUME):
+        if before.get(key) == after.get(key) or key.startswith(_FREE_ON_RESUME) or _same_code(key, before, after):
             continue
         line = f"{key}: {before.get(key)!r} -> {after.get(key)!r}"
         (refused if key in _FIXED_ON_RESUME else applied).append(line)
     return refused, applied
 
 
-def check_resume_changes(run_dir: Path, new: Config, warn) -> None:
-    """Before any worker starts: compare with the config the run's checkpoints were made with."""
-    old_path = Path(run_dir) / rundir.CONFIG
-    if not old_path.is_file() or not any((Path(run_dir) / rundir.CHECKPOINTS).glob(f"step-*/{rundir.COMMIT}")):
-        return
+def _same_code(key: str, before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether ``key`` (flat) names the code, whose changes :func:`code_change` judges: only a
+    script moved to another directory is left to show as a change (it applies)."""
+    if key not in _CODE:
+        return False
+    old, new = before.get(key) or "", after.get(key) or ""
+    return key == "train.fn" or not (old and new) or os.path.realpath(old) == os.path.realpath(new)
+
+
+def _code(d: dict[str, Any], signature: dict[str, Any] | None, is_new: bool) -> tuple[str, str] | None:
+    """(kind, what) of the code a config trains with: a script by its file, a function by its
+    import path, the built-in trainer by its model. None: an old run directory that names no
+    code and whose checkpoints carry no model signature (an own program of an hpc_train that did
+    not record the script): nothing to compare."""
+    train, model = d.get("train") or {}, d.get("model") or {}
+    if train.get("script"):
+        return "script", str(train["script"])
+    if train.get("fn"):
+        return "fn", str(train["fn"])
+    if is_new:
+        return "builtin", str(model.get("name", Config().model.name))
+    return ("builtin", str(signature.get("name"))) if signature else None
+
+
+def _describe(code: tuple[str, str]) -> str:
+    kind, what = code
+    return {"script": "the script", "fn": "the function", "builtin": "the built-in trainer"}[kind] + (
+        f" (model {what})" if kind == "builtin" else f" {what}")
+
+
+def code_change(old: dict[str, Any], new: dict[str, Any],
+                old_signature: dict[str, Any] | None) -> tuple[str, str] | None:
+    """(old, new) descriptions when ``new`` trains with other code than the run directory's
+    config ``old`` (``old_signature``: the model its checkpoints record, if any), else None.
+    A script is the same script under the same file name: a project directory copied or moved
+    with its runs (to scratch, to another machine) is still the same run; a script edited
+    between runs is too (its content is never compared)."""
+    before, after = _code(old, old_signature, is_new=False), _code(new, None, is_new=True)
+    if before is None or after is None:
+        return None
+    if before[0] == after[0] == "script":
+        same = Path(before[1]).name == Path(after[1]).name
+    else:
+        same = before[0] == after[0] and (before[0] == "builtin" or before[1] == after[1])
+    return None if same else (_describe(before), _describe(after))
+
+
+def _ways_out(run_dir: Path, launched: bool) -> str:
+    """What to do instead, in the words of the path the user took."""
+    if launched:
+        return (f"give another --run-dir (add --resume {run_dir} to start from its checkpoints), or --resume none "
+                f"to start over here (its checkpoints are moved aside)")
+    return (f"set HPC_TRAIN_RUN_DIR to another directory (add HPC_TRAIN_RESUME={run_dir} to start from its "
+            f"checkpoints), or HPC_TRAIN_RESUME=none to start over here (its checkpoints are moved aside)")
+
+
+def _saved_signature(run_dir: Path) -> dict[str, Any] | None:
+    """The model signature the run directory's checkpoints record (the built-in trainer's)."""
+    for info in store.scan(run_dir):
+        if isinstance(info.record.get("model"), dict):
+            return info.record["model"]
+    return None
+
+
+def _old_config(run_dir: Path) -> dict[str, Any] | None:
     try:
-        old = yaml.safe_load(old_path.read_text()) or {}
+        old = yaml.safe_load((Path(run_dir) / rundir.CONFIG).read_text()) or {}
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return   # unreadable: nothing to compare with; resume's own checks still apply
-    if not isinstance(old, dict):
+        return None   # unreadable: nothing to compare with; resume's own checks still apply
+    return old if isinstance(old, dict) else None
+
+
+def check_resume_changes(run_dir: Path, new: Config, warn, launched: bool = True) -> None:
+    """Before any worker starts: compare with the config the run's checkpoints were made with.
+    ``launched``: the user speaks to hpc_train in flags (``run``, ``submit``); else, inside their
+    own program, in variables (a refusal's advice says it their way)."""
+    if not any((Path(run_dir) / rundir.CHECKPOINTS).glob(f"step-*/{rundir.COMMIT}")):
         return
+    old = _old_config(run_dir)
+    if old is None:
+        return
+    change = code_change(old, new.to_dict(), _saved_signature(run_dir))
+    if change:
+        again = "its own config" if change[0].startswith("the built-in") else change[0]
+        raise UsageError(f"{run_dir} holds checkpoints of {change[0]}; this run is {change[1]}: continue it with "
+                         f"{again}, or {_ways_out(run_dir, launched)}")
     refused, applied = changes_on_resume(old, new)
     if refused:
+        tail = ("Use the original values, or a new --run-dir (or --resume none)" if launched else
+                "Use the original values, or set HPC_TRAIN_RUN_DIR to another directory (or HPC_TRAIN_RESUME=none)")
         raise UsageError(f"{run_dir} was trained with another config, which its checkpoints cannot load into: "
-                         f"{'; '.join(refused)}. Use the original values, or a new --run-dir (or --resume none)")
+                         f"{'; '.join(refused)}. {tail}")
     for line in applied:
         warn(f"resuming with a changed config: {line} (applies from the resumed step on)")
+
+
+def check_finished(run_dir: Path, new: Config, launched: bool = True) -> None:
+    """A finished run is never trained again; a rerun that asks for something else (another
+    script, or the same script with other arguments) is refused, naming the difference, rather
+    than answered with "nothing to do" as though it had been run."""
+    old = _old_config(run_dir)
+    if old is None:
+        return
+    how = ("use --resume none to start over, or another --run-dir" if launched else
+           "set HPC_TRAIN_RESUME=none to start over, or HPC_TRAIN_RUN_DIR to another directory")
+    change = code_change(old, new.to_dict(), _saved_signature(run_dir))
+    if change:
+        raise UsageError(f"{run_dir} holds a finished run of {change[0]}; this run is {change[1]}: {how}")
+    train = old.get("train") or {}
+    before, after = [str(a) for a in train.get("args") or []], list(new.train.args)
+    if train.get("script") and new.train.script and before != after:
+        raise UsageError(f"{run_dir} holds a finished run of {Path(new.train.script).name} with arguments "
+                         f"[{shlex.join(before)}]; these are [{shlex.join(after)}]: {how}")

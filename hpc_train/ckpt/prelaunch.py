@@ -8,8 +8,9 @@
 2. its lock (when the caller asks: ``run`` holds it for the run, ``submit`` only checks that no
    run holds it, ``init()`` and the job step took it already);
 3. the config is compared with the one the run's checkpoints were made with: a change that
-   cannot apply to them (another model, optimizer, strategy) is refused before anything
-   trains, so a changed model is never trained over its old checkpoints;
+   cannot apply to them (another model, optimizer, strategy, a script of another name) is refused
+   before anything trains, so a changed model is never trained over its old checkpoints; a
+   finished run asked for something else (other script arguments) is refused, not ignored;
 4. the resume plan (:func:`hpc_train.ckpt.store.plan`): what to resume from, ``none`` moving
    old checkpoints aside (never deleting them), a finished run said so;
 5. the config is written (``RUN_DIR/config.yaml``): from here on it is the run's.
@@ -33,13 +34,15 @@ from hpc_train.errors import UsageError
 
 def prelaunch(run_dir: Path, cfg: Config, resume: str, *, warn: Callable[[str], None],
               signature: dict[str, Any] | None = None, lock: rundir.RunDirLock | None = None,
-              hold: bool = True, verify: bool = True, requeued: bool = False) -> store.ResumePlan:
+              hold: bool = True, verify: bool = True, requeued: bool = False,
+              launched: bool = True) -> store.ResumePlan:
     """Steps 1-5 of the module docstring; returns the plan (``plan.finished``: the run finished,
     nothing was written). ``lock``: taken here (``hold``: kept on return, else released: a check
     that no run holds it); None when the caller holds it. ``signature``: the model signature the
     checkpoint must match (the built-in trainer's); ``verify``: read the chosen checkpoint's
     checksums now; ``requeued``: a later incarnation of a job (``--resume PATH`` yields to the
-    run's own newest checkpoint)."""
+    run's own newest checkpoint); ``launched``: a refusal's advice names flags (``--run-dir``),
+    else the variables a user's own program takes (``HPC_TRAIN_RUN_DIR``)."""
     run_dir = Path(run_dir)
     rundir.check_path(run_dir, "the run directory")
     if run_dir.exists() and not run_dir.is_dir():
@@ -52,7 +55,9 @@ def prelaunch(run_dir: Path, cfg: Config, resume: str, *, warn: Callable[[str], 
         took = True
     try:
         if resume != "none":
-            compat.check_resume_changes(run_dir, cfg, warn)
+            if store.is_finished(run_dir):
+                compat.check_finished(run_dir, cfg, launched)
+            compat.check_resume_changes(run_dir, cfg, warn, launched)
         plan = store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
         if plan.finished:
             if took and not hold:

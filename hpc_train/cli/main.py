@@ -5,11 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_train.errors import EXIT_USAGE, UsageError, show
+from hpc_train.errors import EXIT_USAGE, UsageError
 from hpc_train.login.args import load
 
 
 class _Parser(argparse.ArgumentParser):
+    commands: dict[str, argparse.ArgumentParser] = {}   # a parser's subcommands, by name
+
+    def __init__(self, *args, **kwargs) -> None:
+        # A prefix is never an option: `--np 2` taken for `--nproc 2` is a guess made silently,
+        # and it would make a script's own `--n` mean something else on every hpc_train update.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # argparse's own exit code is 2 too; keep one line
         raise UsageError(f"{self.prog}: {message}")
 
@@ -63,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m hpc_train",
                  description="Take a PyTorch training job from a laptop to a multi-node Slurm cluster.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    ap.commands = sub.choices
 
     p = sub.add_parser("run", help="train on this machine with N local processes (no Slurm)")
     _add_config_args(p, targets=True)
@@ -97,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the wall time since the first submit went, as a table (goodput.json)")
     p = sub.add_parser("sweep", help="results of a sweep")
     sw = p.add_subparsers(dest="sweep_command", metavar="ACTION", parser_class=_Parser, required=True)
+    p.commands = sw.choices
     s = sw.add_parser("summary", help="every task's metric, sorted, on the console and as CSV")
     s.add_argument("sweep_dir")
     s.add_argument("--metric", default="loss", help="result.json's value, else the last logged one (default: loss)")
@@ -111,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ckpt", help="list, verify or export checkpoints")
     ck = p.add_subparsers(dest="ckpt_command", metavar="ACTION", parser_class=_Parser, required=True)
+    p.commands = ck.choices
     c = ck.add_parser("list", help="step, time, size, completeness, world size")
     c.add_argument("run_dir")
     c = ck.add_parser("verify", help="check every checkpoint's files against its commit record "
@@ -250,32 +261,11 @@ COMMANDS = {"run": cmd_run, "config": cmd_config, "env": cmd_env, "worker": cmd_
             "requeue-hook": _lazy("hpc_train.login.hook:cmd_requeue_hook")}
 
 
-def _refuse_stray(args: argparse.Namespace, extra: list[str], argv: list[str]) -> None:
-    """Arguments no option took: most often a script's own, typed without the `--` that separates
-    them from hpc_train's. argparse would say only "unrecognized arguments: 2"; this says where
-    they go. With --script, a first one may have been taken as the optional config file."""
-    import collections
-    import shlex
-    from pathlib import Path
-    script = getattr(args, "script", None)
-    if script and args.config is not None and not Path(args.config).exists():
-        extra = [args.config, *extra]
-    if not extra:
-        return
-    left, stray = collections.Counter(extra), []
-    for a in argv:            # in the order typed (a first one may have been taken as the config)
-        if left[a] > 0:
-            left[a] -= 1
-            stray.append(a)
-    shown = " ".join(shlex.quote(a) for a in stray)
-    if len(shown) > 200 or not shown.isprintable():
-        shown = show(stray)
-    where = f"python -m hpc_train {args.command or ''}".rstrip()
-    if script:
-        raise UsageError(f"{where}: unrecognized arguments: {shown}; a script's arguments go after `--`: "
-                         f"{where} ... --script {shlex.quote(script)} -- {shown}")
-    hint = " (a --script's own arguments go after `--`)" if args.command in ("run", "submit", "sbatch") else ""
-    raise UsageError(f"{where}: unrecognized arguments: {shown}{hint}")
+def _leaf(ap: _Parser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command that was typed (``ckpt export``'s, not ``ckpt``'s)."""
+    p = ap.commands.get(args.command, ap) if args.command else ap
+    action = getattr(args, f"{args.command}_command", None) if args.command else None
+    return p.commands.get(action, p) if action and isinstance(p, _Parser) else p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,7 +310,8 @@ def _main(argv: list[str] | None) -> int:
         argv, rest = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     try:
         args, extra = ap.parse_known_args(argv)
-        _refuse_stray(args, extra, argv)
+        from hpc_train.cli.flags import refuse_stray
+        refuse_stray(_leaf(ap, args), ap.commands, args, extra, argv, rest)
         args.script_args = rest
         if not args.command:
             ap.print_help()

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m hpc_train worker --config RUN_DIR/config.yaml``: one task's entry point."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m hpc_train worker")
+    ap = argparse.ArgumentParser(prog="python -m hpc_train worker", allow_abbrev=False)   # as the CLI's
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir")
     args = ap.parse_args(argv)

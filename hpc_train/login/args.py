@@ -21,6 +21,8 @@ def load(args: argparse.Namespace):
     script, fn = getattr(args, "script", None), getattr(args, "fn", None)
     if args.config is None and not (script or fn):
         raise UsageError(f"{args.command}: give a job config (e.g. jobs/digits.yaml), --script PATH or --fn PKG.MOD:FN")
+    if args.config is not None and str(args.config).endswith(".py"):
+        _refuse_python_config(args, script)
     if script:
         from hpc_train.rundir import check_path
         check_path(Path(script).absolute(), "--script")
@@ -41,6 +43,19 @@ def load(args: argparse.Namespace):
     if job:
         extra["job"] = job
     return config.load(args.config, args.overrides, extra)
+
+
+def _refuse_python_config(args: argparse.Namespace, script: str | None) -> None:
+    """A ``.py`` where a job config goes is a script to run, not YAML to read (which would fail
+    on its first ``:``, naming a line of Python)."""
+    import shlex
+    rest = list(getattr(args, "script_args", []))
+    if script:
+        raise UsageError(f"{args.config} is a Python script, not a job config; the arguments of --script {script} "
+                         f"go after `--`: ... --script {shlex.quote(script)} -- {shlex.join([args.config, *rest])}")
+    command = args.command if args.command in ("run", "submit", "sbatch") else "run"
+    typed = ["python", "-m", "hpc_train", command, "--script", args.config, *(["--", *rest] if rest else [])]
+    raise UsageError(f"{args.config} is a Python script, not a job config; run it with --script: {shlex.join(typed)}")
 
 
 def check_plugins_light(cfg) -> None:

@@ -47,7 +47,7 @@ def check_resources(job: JobSection) -> None:
     time_minutes(job.time)
     out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%G|%a"])
     if out.returncode != 0:
-        raise UsageError(f"sinfo failed: {out.stderr.strip() or out.stdout.strip()}")
+        raise UsageError(sinfo_failed(out.stderr + "\n" + out.stdout))
     parts: dict[str, dict[str, Any]] = {}
     default = None
     for line in out.stdout.split("\n"):
@@ -82,6 +82,26 @@ def check_resources(job: JobSection) -> None:
         raise UsageError(f"job.tasks_per_node x job.cpus_per_task = {tasks} x {job.cpus_per_task} CPUs, but "
                          f"nodes in '{partition}' have {p['cpus']}")
 
+
+
+# How Slurm's commands say that no controller can be reached: none is configured here (no
+# slurm.conf, no DNS SRV record: "configless" lookup failed), or the one configured does not answer.
+_NO_CONFIG = ("Could not establish a configuration source", "fetch_config", "resolve_ctls_from_dns_srv")
+_NO_ANSWER = ("Unable to contact slurm controller", "Connection refused", "Connection timed out")
+
+
+def sinfo_failed(text: str) -> str:
+    """One line for a failed sinfo: several lines of its errors (a DNS lookup, then the config
+    fetch, then the fatal one) are one cause, and the user needs that cause and what to do."""
+    said = [line.strip() for line in text.splitlines() if line.strip()]
+    last = next((line for line in reversed(said) if "fatal" in line), said[-1] if said else "no output")
+    last = last if len(last) <= 200 else last[:200] + "..."
+    if any(k in line for line in said for k in _NO_CONFIG):
+        return (f"no Slurm controller can be reached from here ({last}: no slurm.conf, and no DNS record names "
+                f"a controller); submit from a login node of the cluster, or set SLURM_CONF; nothing was submitted")
+    if any(k in line for line in said for k in _NO_ANSWER):
+        return f"the Slurm controller does not answer ({last}); is slurmctld up? nothing was submitted"
+    return f"sinfo failed: {last}; nothing was submitted"
 
 
 def max_array_size() -> int | None:

@@ -153,7 +153,7 @@ def prelaunch(s: Session, resume: str, signature: dict[str, Any] | None = None) 
     (:mod:`hpc_train.ckpt.prelaunch`). Raises :class:`UsageError` for a refused config."""
     from hpc_train.ckpt.prelaunch import prelaunch as sequence
     sequence(s.run_dir, s.cfg, resume, warn=log.warning, signature=signature, verify=False,
-             requeued=s.env.restart_count > 0)
+             requeued=s.env.restart_count > 0, launched=s.launched)
 
 
 def launcher_holds_lock() -> bool:
