@@ -274,7 +274,12 @@ def record_segment(run_dir: Path, since: float) -> None:
     segment, start to now, unless the script's own ledger wrote one after ``since``. Never raises."""
     try:
         rec = _read(Path(run_dir))
-        if rec["segments"] and float(rec["segments"][-1].get("start", 0)) >= since - 1.0:
+        last = rec["segments"][-1] if rec["segments"] else {}
+        # Told by the writer's own process start: a segment's start is the launch's (the launcher's
+        # or the Slurm job's, before ``since``), the same for a script's Run and for a step
+        # restarted in place. /proc's start times have 10 ms ticks.
+        began = (last.get("marks") or {}).get("process", last.get("start", 0))
+        if last and float(began) >= since - 0.05:
             return
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
