@@ -18,10 +18,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_train import config as config_mod
 from hpc_train import rundir
+from hpc_train.ckpt import prelaunch, store
 from hpc_train.errors import UsageError, says_peer_lost
 from hpc_train.records import ranks, result, stop
 from hpc_train.records.stop import StopRecord
+from hpc_train.trainer.signature import expected
 
 # A file's mtime comes from the kernel's coarse clock, a few milliseconds behind time.time();
 # where no launcher recorded its start, the first rank's start stands for it, and a rank may
@@ -130,7 +133,6 @@ def _killed(rank: int) -> str:
 
 def gather(run_dir: Path) -> tuple[Facts, list[str]]:
     """The facts of ``run_dir`` and what of them could not be read (named by ``status``)."""
-    from hpc_train.ckpt import store
     unread: list[str] = []
     holder = rundir.busy(run_dir)
     res, _ = result.read(run_dir)     # a damaged result.json still means finished
@@ -172,9 +174,6 @@ def rerun(run_dir: Path, reports_steps: bool) -> str:
     start over, or be refused, and why. ``reports_steps``: the code reported steps to hpc_train
     (its own loop on ``hpc_train.init()``); a script that does not is run again from its own
     start, whatever it saved itself."""
-    from hpc_train import config as config_mod
-    from hpc_train.ckpt import prelaunch
-    from hpc_train.trainer.signature import expected
     try:
         cfg = config_mod.load(Path(run_dir) / rundir.CONFIG)
     except UsageError:
@@ -189,8 +188,10 @@ def rerun(run_dir: Path, reports_steps: bool) -> str:
         saved = plan.source.record.get("time")
         old = f" (checkpoint {age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
         return f"the same command resumes from step {plan.source.step}{old}"
-    own = cfg is not None and (cfg.train.script or cfg.train.fn)
-    if own and not reports_steps:
+    if cfg is None:
+        return (f"no hpc_train checkpoint: a rerun starts from the start ({rundir.CONFIG} cannot be read, so "
+                f"whether the code keeps checkpoints of its own cannot be told)")
+    if (cfg.train.script or cfg.train.fn) and not reports_steps:
         what = "script" if cfg.train.script else "function"
         return (f"the same command runs the {what} again from its start; hpc_train holds no checkpoint of it "
                 f"(it resumes from what it saved itself, if anything)")
