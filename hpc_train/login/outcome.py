@@ -178,6 +178,8 @@ def rerun(run_dir: Path, reports_steps: bool) -> str:
         cfg = config_mod.load(Path(run_dir) / rundir.CONFIG)
     except UsageError:
         cfg = None   # unreadable: the rerun has nothing to compare its config with either
+    # Hazard: this reads the chosen checkpoint whole (its checksums), as `run` does before it
+    # starts anything: seconds per GB, for each ended run that status shows.
     try:
         plan = prelaunch.predict(run_dir, cfg, expected(cfg) if cfg is not None else None)
     except UsageError as e:
