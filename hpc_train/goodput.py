@@ -274,7 +274,12 @@ def record_segment(run_dir: Path, since: float) -> None:
     segment, start to now, unless the script's own ledger wrote one after ``since``. Never raises."""
     try:
         rec = _read(Path(run_dir))
-        if rec["segments"] and float(rec["segments"][-1].get("start", 0)) >= since - 1.0:
+        last = rec["segments"][-1] if rec["segments"] else {}
+        # Told by the writer's own process start: a segment's start is the launch's (the launcher's
+        # or the Slurm job's, before ``since``), the same for a script's Run and for a step
+        # restarted in place. /proc's start times have 10 ms ticks.
+        began = (last.get("marks") or {}).get("process", last.get("start", 0))
+        if last and float(began) >= since - 0.05:
             return
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
@@ -323,21 +328,42 @@ def _breakdown(rec: dict[str, Any], now: float) -> dict[str, Any] | None:
         prev_end = end
     wall = prev_end - first
     return {"wall_s": wall, "parts": parts, "runs": len(segs),
-            "redone_steps": sum(int(s.get("redone_steps") or 0) for s in segs)}
+            "redone_steps": sum(int(s.get("redone_steps") or 0) for s in segs),
+            "stepped": any(s.get("first_step") for s in segs)}
+
+
+# A run that never reported a step (a script that does not call run.step_end) has no first
+# step to split start-up from training: its wall time would all read as start-up.
+_NO_STEPS = ("n/a: no step was reported to hpc_train (the code never called run.step_end), so its training "
+             "cannot be told from its start-up")
+
+
+def _runs(b: dict[str, Any]) -> str:
+    return f"{b['runs']} run{'s' if b['runs'] != 1 else ''}"
+
+
+def steps_reported(run_dir: Path) -> bool:
+    """Whether any start of the run reported a step (the code's ``run.step_end``)."""
+    b = breakdown(run_dir)
+    return b is not None and b["stepped"]
 
 
 def summary_line(run_dir: Path) -> str | None:
     b = breakdown(run_dir)
     if b is None or b["wall_s"] <= 0:
         return None
+    if not b["stepped"]:
+        return f"goodput: {_NO_STEPS} (wall {b['wall_s']:.0f} s, {_runs(b)})"
     pct = ", ".join(f"{100 * v / b['wall_s']:.1f}% {k}" for k, v in b["parts"].items())
-    return f"goodput: {pct} (wall {b['wall_s']:.0f} s, {b['runs']} run{'s' if b['runs'] != 1 else ''})"
+    return f"goodput: {pct} (wall {b['wall_s']:.0f} s, {_runs(b)})"
 
 
 def table(run_dir: Path) -> str:
     b = breakdown(run_dir)
     if b is None:
         return f"{run_dir}: no {FILE} (the run has not started)"
+    if not b["stepped"]:
+        return f"goodput: {_NO_STEPS}\nwall {b['wall_s']:.1f} s; runs: {b['runs']}"
     rows = [f"{'part':<14}{'seconds':>10}{'share':>9}"]
     for k, v in b["parts"].items():
         rows.append(f"{k:<14}{v:>10.1f}{100 * v / max(b['wall_s'], 1e-9):>8.1f}%")

@@ -156,36 +156,57 @@ def _stoppable(name: str, cfg):
     a real SIGTERM to the ``run`` launcher just before the forward that makes the stop land at
     step K, and waits (<= 30 s) until the launcher's forwarded SIGTERM has reached it. The stop
     then takes the public path (launcher -> every rank -> step_end's agreement -> save) at a
-    deterministic step. Weights and state-dict keys are the built-in model's."""
+    deterministic step. Weights and state-dict keys are the built-in model's.
+
+    Two more faults, each at a real point of a real run: ``HPC_TRAIN_TEST_FAIL_AT="R:K"``: rank R
+    raises just before step K's forward; ``HPC_TRAIN_TEST_FREEZE_IN_SAVE=1``: rank 0 stops itself
+    (SIGSTOP) inside the first save that it begins, its step directory made and no commit record
+    in it, after writing ``frozen-save`` (its pid) to the run directory. K counts the steps this
+    process trains (after a resume from step S, K=1 is step S+1)."""
     import dataclasses
     import signal
 
     from hpc_train.trainer import models
     model = models.build(dataclasses.replace(cfg, name=name))
-    spec = os.environ.get("HPC_TRAIN_TEST_STOP_AT_STEP")
-    if not spec or os.environ.get("RANK") != "0":
+    rank = os.environ.get("RANK")
+    spec = os.environ.get("HPC_TRAIN_TEST_STOP_AT_STEP") if rank == "0" else None
+    fail_rank, _, fail_at = os.environ.get("HPC_TRAIN_TEST_FAIL_AT", "").partition(":")
+    fail_at = int(fail_at) if fail_at and fail_rank == rank else None
+    freeze = os.environ.get("HPC_TRAIN_TEST_FREEZE_IN_SAVE") == "1" and rank == "0"
+    if not (spec or fail_at or freeze):
         return model
     import hpc_train
     run = hpc_train.init()                   # the worker's Run: the trainer builds the model inside it
     accum = run.config.optim.grad_accum
-    k, _, m = spec.partition(":")
+    k, _, m = (spec or "0").partition(":")
     # The agreement rides on the last micro-batch's backward, so signal before that forward.
-    call = (int(k) - 1) * accum + min(int(m or accum) + 1, accum)
+    call = (int(k) - 1) * accum + min(int(m or accum) + 1, accum) if spec else None
     seen = {"n": 0}
 
     def hook(module, inputs):
         if not module.training:
             return
         seen["n"] += 1
+        if fail_at is not None and seen["n"] == (fail_at - 1) * accum + 1:
+            raise RuntimeError(f"test failure: rank {rank} fails at its step {fail_at}")
         if seen["n"] == call:
             os.kill(os.getppid(), signal.SIGTERM)
             deadline = time.monotonic() + 30
             while not run.stop_requested and time.monotonic() < deadline:
                 time.sleep(0.01)
+
+    def freeze_in_save(module, prefix, keep_vars):
+        root = Path(run.run_dir)
+        steps = [d for d in (root / "checkpoints").glob("step-*") if d.name[5:].isdigit()]
+        if any(not (d / "commit.json").exists() for d in steps):
+            (root / "frozen-save").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
     # On the first leaf module: under dist.strategy=split the model's own forward is not called
     # (its stages are), but its first layer is, once per forward, under every strategy.
     first = next(m for m in model.modules() if not any(True for _ in m.children()))
     first.register_forward_pre_hook(hook)
+    if freeze:
+        first.register_state_dict_pre_hook(freeze_in_save)
     return model
 
 

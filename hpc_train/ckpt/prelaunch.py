@@ -16,7 +16,8 @@
 5. the config is written (``RUN_DIR/config.yaml``): from here on it is the run's.
 
 Every refusal is a :class:`~hpc_train.errors.UsageError` raised before anything in the run
-directory changed.
+directory changed. ``status`` foresees steps 3 and 4 of a rerun with :func:`predict`, the same
+code, read-only.
 """
 
 from __future__ import annotations
@@ -54,11 +55,7 @@ def prelaunch(run_dir: Path, cfg: Config, resume: str, *, warn: Callable[[str], 
         lock.acquire()
         took = True
     try:
-        if resume != "none":
-            if store.is_finished(run_dir):
-                compat.check_finished(run_dir, cfg, launched)
-            compat.check_resume_changes(run_dir, cfg, warn, launched)
-        plan = store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
+        plan = _decide(run_dir, cfg, resume, signature, warn, verify, requeued, launched)
         if plan.finished:
             if took and not hold:
                 lock.release()
@@ -75,3 +72,22 @@ def prelaunch(run_dir: Path, cfg: Config, resume: str, *, warn: Callable[[str], 
     if took and not hold:
         lock.release()
     return plan
+
+
+def _decide(run_dir: Path, cfg: Config | None, resume: str, signature: dict[str, Any] | None,
+            warn: Callable[[str], None], verify: bool, requeued: bool, launched: bool = True) -> store.ResumePlan:
+    """Steps 3 and 4: what a launch decides, and what :func:`predict` foresees of it."""
+    if resume != "none" and cfg is not None:
+        if store.is_finished(run_dir):
+            compat.check_finished(run_dir, cfg, launched)
+        compat.check_resume_changes(run_dir, cfg, warn, launched)
+    return store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
+
+
+def predict(run_dir: Path, cfg: Config | None, signature: dict[str, Any] | None = None) -> store.ResumePlan:
+    """What :func:`prelaunch` decides when the same config runs again with ``--resume latest``
+    (the default), checksums read as ``run`` reads them, changing nothing: no lock, no config
+    written, nothing moved aside (``latest`` moves nothing; only ``none`` does). Raises the
+    :class:`UsageError` that refuses the rerun. ``cfg``: the run's own config.yaml (None when it
+    cannot be read: the rerun has nothing to compare its config with either)."""
+    return _decide(Path(run_dir), cfg, "latest", signature, lambda _line: None, True, False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hpc_train import rundir
 from hpc_train.errors import UsageError
-from hpc_train.login import scheduler
+from hpc_train.login import outcome, scheduler
 from hpc_train.logs import metrics_tail
 
 
@@ -81,8 +81,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         problem = scheduler.job_problem(run_dir)
         if problem is not None:
             unread.append(f"job.json {problem}")
+        running = False
         if not ids:
-            print(f"  local run: {_local_state(run_dir, unread)}")
+            running = _local_state(run_dir, unread)
         elif not result.finished(run_dir):
             print(f"  if it stops: {resume_point(run_dir)}")
         tail = metrics_tail(run_dir)     # read from the end: a long run's file is big
@@ -91,7 +92,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         last = tail.last_step
         if last is not None:
             epoch = f", epoch {last['epoch']}" if "epoch" in last else ""
-            print(f"  last step {last['step']}{epoch}, loss {_num(last['loss'])}")
+            t = last.get("time")
+            ago = f" ({outcome.age(time.time() - t)} ago)" if running and isinstance(t, (int, float)) else ""
+            print(f"  last step {last['step']}{epoch}, loss {_num(last['loss'])}{ago}")
         if tail.last_eval is not None:
             print(f"  last eval: accuracy {_num(tail.last_eval['eval_acc'])} at step {tail.last_eval['step']}")
         if result.finished(run_dir):
@@ -129,30 +132,21 @@ def _job_line(answer: scheduler.Answer, jid: str) -> str:
     return f"{st.state} on {st.nodes or '-'}, elapsed {st.elapsed or '-'}, restarts {restarts}{extra}"
 
 
-def _local_state(run_dir: Path, unread: list[str]) -> str:
-    """A run without a Slurm job: running (its lock is held), finished, stopped, or ended."""
-    from hpc_train import rundir
-    from hpc_train.records import result, stop
-    holder = rundir.busy(run_dir)
-    if holder:
-        return f"running: {holder}"
-    if result.finished(run_dir):
-        return "finished"
-    rec, problem = stop.read(run_dir)
-    if problem is not None:
-        unread.append(f"{stop.NAME} {problem}")
-        return f"stopped (its record is unreadable); {resume_point(run_dir)}"
-    if rec is not None:
-        at = f" at step {rec.steps}" if rec.steps is not None else ""
-        return f"stopped{at} by {rec.signal}; {resume_point(run_dir)}"
-    return f"not running (ended without a result: see logs/rank-*.error); {resume_point(run_dir)}"
-
-
-def _age(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+def _local_state(run_dir: Path, unread: list[str]) -> bool:
+    """A run without a Slurm job: what became of it (:mod:`hpc_train.login.outcome`) and what the
+    same command does if run again. True while it runs."""
+    from hpc_train import goodput
+    facts, problems = outcome.gather(run_dir)
+    unread.extend(problems)
+    state = outcome.decide(facts)
+    print(f"  local run: {state.line}")
+    if state.kind == "running":
+        newest = resume_point(run_dir)
+        print(f"  rerun: refused while it runs (the run directory is in use); killed now: {newest}; a stop "
+              f"saves its step first")
+        return True
+    print(f"  rerun: {outcome.rerun(run_dir, goodput.steps_reported(run_dir))}")
+    return False
 
 
 def resume_point(run_dir: Path) -> str:
@@ -165,7 +159,7 @@ def resume_point(run_dir: Path) -> str:
     newest = store.newest_complete(run_dir)
     if newest is not None:
         saved = newest.record.get("time")
-        age = f" (checkpoint {_age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
+        age = f" (checkpoint {outcome.age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
         return f"the same command resumes from step {newest.step}{age}"
     try:
         train = (yaml.safe_load((run_dir / rundir.CONFIG).read_text()) or {}).get("train") or {}

@@ -22,6 +22,12 @@ from hpc_train.logs import truncate_jsonl
 
 log = logging.getLogger("hpc_train")
 
+# metrics.jsonl is flushed at most this often (from the logging call: no thread of its own), so
+# that `status` on a running run shows a last step at most about this old plus a step's time. A
+# loop that goes quiet (a long eval with nothing logged) leaves its last lines in the buffer
+# until it logs again or closes; every write of its own would cost a syscall per step.
+FLUSH_S = 5.0
+
 
 def _fmt_eta(seconds: float) -> str:
     seconds = max(0, int(seconds))
@@ -55,6 +61,7 @@ class Monitor:
         self.mode = mode
         from hpc_train.rundir import open_append
         self._f = open_append(self.metrics_path)   # never through a symlink planted there
+        self._flushed = float("-inf")    # the first step is on disk at once
 
     def record(self, step: int, scalars: dict[str, float], *, epoch: int | None = None,
                console: bool = False) -> None:
@@ -78,8 +85,10 @@ class Monitor:
             eta = f" ETA {_fmt_eta((time.perf_counter() - self.t0) / max(done, 1) * (self.total - step))}" \
                 if self.total else ""
             log.info("%s %s%s", where, " ".join(f"{k} {_fmt(k, v)}" for k, v in scalars.items()), eta)
-        if any(k.startswith("eval_") for k in scalars):
+        now = time.monotonic()
+        if now - self._flushed >= FLUSH_S or any(k.startswith("eval_") for k in scalars):
             self._f.flush()
+            self._flushed = now
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """One TensorBoard scalar outside the step's metrics (the goodput, at each save)."""

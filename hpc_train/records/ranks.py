@@ -17,6 +17,7 @@ an earlier step left is never taken for this one's. Its node is named as Slurm n
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -176,6 +177,47 @@ def error_line(run_dir: Path, rank: int, since: float) -> str | None:
     text, _ = rundir.read_text(p)
     line = next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), None)
     return line[:300] if line else None
+
+
+def error_times(run_dir: Path) -> dict[int, float]:
+    """Every rank's error file (``logs/rank-R.error``) and when it was written: rank -> mtime."""
+    logs = Path(run_dir) / rundir.LOGS
+    out: dict[int, float] = {}
+    for p in (logs.glob("rank-*.error") if logs.is_dir() else ()):
+        m = re.fullmatch(r"rank-(\d+)\.error", p.name)
+        try:
+            if m and len(m[1]) < 10:
+                out[int(m[1])] = p.stat().st_mtime
+        except OSError:
+            continue     # removed under us (a new launch clears them)
+    return out
+
+
+def last_step(run_dir: Path) -> list[RankRecord]:
+    """The records of the newest job step present (the step of the record that began last), by
+    rank; a damaged record is left out. Under the local launcher every record is its launch's
+    (it clears them); under Slurm an earlier step's records can remain beside them."""
+    recs = [r for r in (read(run_dir, i)[0] for i in present(run_dir)) if r is not None]
+    if not recs:
+        return []
+    newest = max(recs, key=lambda r: r.started or 0.0)
+    step = StepId(newest.job, newest.restart, newest.attempt, newest.launch)
+    return [r for r in recs if step.holds(r)]
+
+
+def launch_start(records: list[RankRecord]) -> float | None:
+    """When the launch that wrote ``records`` (one step's, see :func:`last_step`) began: the local
+    launcher's own start where it recorded one (the first part of ``launch``), else the first
+    rank's start; None when nothing says. Anything written earlier was written by an earlier
+    launch: the launcher starts only once the run directory's previous holder has let go."""
+    for rec in records:
+        first = rec.launch.split("/", 1)[0]
+        try:
+            return float(first)
+        except ValueError:
+            continue
+    began = [r.started for r in records if r.started is not None]
+    return min(began) if began else None
 
 
 def clear(run_dir: Path) -> None:

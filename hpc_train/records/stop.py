@@ -61,6 +61,14 @@ def remove(run_dir: Path) -> None:
     rundir.remove_record(path(run_dir))
 
 
+def written_at(run_dir: Path) -> float | None:
+    """When ``stopped.json`` was last written (its mtime, damaged or not); None when there is none."""
+    try:
+        return path(run_dir).stat().st_mtime
+    except OSError:
+        return None
+
+
 def written_since(run_dir: Path, since: float) -> tuple[StopRecord | None, bool]:
     """The stop record if it was written at or after ``since`` (this launch's), and whether one
     was written then at all (a damaged one counts as written, its content unknown)."""
