@@ -84,10 +84,21 @@ def _decide(run_dir: Path, cfg: Config | None, resume: str, signature: dict[str,
     return store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
 
 
-def predict(run_dir: Path, cfg: Config | None, signature: dict[str, Any] | None = None) -> store.ResumePlan:
+# status reads a checkpoint's checksums (as a rerun would before it starts) only up to this size;
+# a bigger one would make a read-only command take seconds per GB.
+PREDICT_VERIFY_BYTES = 512 << 20
+
+
+def predict(run_dir: Path, cfg: Config | None, signature: dict[str, Any] | None = None
+            ) -> tuple[store.ResumePlan, bool]:
     """What :func:`prelaunch` decides when the same config runs again with ``--resume latest``
-    (the default), checksums read as ``run`` reads them, changing nothing: no lock, no config
-    written, nothing moved aside (``latest`` moves nothing; only ``none`` does). Raises the
-    :class:`UsageError` that refuses the rerun. ``cfg``: the run's own config.yaml (None when it
-    cannot be read: the rerun has nothing to compare its config with either)."""
-    return _decide(Path(run_dir), cfg, "latest", signature, lambda _line: None, True, False)
+    (the default), changing nothing: no lock, no config written, nothing moved aside (``latest``
+    moves nothing; only ``none`` does). Raises the :class:`UsageError` that refuses the rerun.
+    ``cfg``: the run's own config.yaml (None when it cannot be read: the rerun has nothing to
+    compare its config with either). Returns the plan and whether the chosen checkpoint's
+    checksums were read (only up to :data:`PREDICT_VERIFY_BYTES`, else sizes only: the rerun
+    then checks them as it loads, and may fall back to an older one)."""
+    quick = _decide(Path(run_dir), cfg, "latest", signature, lambda _line: None, False, False)
+    if quick.source is None or quick.source.size > PREDICT_VERIFY_BYTES:
+        return quick, quick.source is None
+    return _decide(Path(run_dir), cfg, "latest", signature, lambda _line: None, True, False), True

@@ -178,10 +178,8 @@ def rerun(run_dir: Path, reports_steps: bool) -> str:
         cfg = config_mod.load(Path(run_dir) / rundir.CONFIG)
     except UsageError:
         cfg = None   # unreadable: the rerun has nothing to compare its config with either
-    # Hazard: this reads the chosen checkpoint whole (its checksums), as `run` does before it
-    # starts anything: seconds per GB, for each ended run that status shows.
-    try:
-        plan = prelaunch.predict(run_dir, cfg, expected(cfg) if cfg is not None else None)
+    try:   # reads the chosen checkpoint's checksums, as `run` does, up to a size (see predict)
+        plan, verified = prelaunch.predict(run_dir, cfg, expected(cfg) if cfg is not None else None)
     except UsageError as e:
         return f"refused: {e}"
     if plan.finished:
@@ -189,7 +187,10 @@ def rerun(run_dir: Path, reports_steps: bool) -> str:
     if plan.source is not None:
         saved = plan.source.record.get("time")
         old = f" (checkpoint {age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
-        return f"the same command resumes from step {plan.source.step}{old}"
+        unread = "" if verified else (f"; its {plan.source.size / 2**30:.1f} GiB were not read here: its "
+                                      f"checksums are checked as it loads, and a damaged one falls back to the "
+                                      f"one before")
+        return f"the same command resumes from step {plan.source.step}{old}{unread}"
     if cfg is None:
         return (f"no hpc_train checkpoint: a rerun starts from the start ({rundir.CONFIG} cannot be read, so "
                 f"whether the code keeps checkpoints of its own cannot be told)")
