@@ -30,6 +30,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
@@ -42,7 +43,7 @@ def digits() -> TensorDataset:
 
 
 class DigitsMLP(L.LightningModule):
-    def __init__(self, seed: int, lr: float, epoch_sleep: float) -> None:
+    def __init__(self, seed: int, lr: float, pause_file: str | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
@@ -67,7 +68,11 @@ class DigitsMLP(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         if self.trainer.is_global_zero:
             print(f"epoch {self.current_epoch} ended at step {self.global_step}", flush=True)
-        time.sleep(self.hparams.epoch_sleep)     # a slow epoch end (tests land a stop here)
+        # The tests' hold: every rank waits at an epoch's end while this file exists, until a stop
+        # comes, so that the stop lands on an epoch boundary whenever it comes.
+        pause = self.hparams.pause_file
+        while pause and os.path.exists(pause) and not self.trainer.received_sigterm:
+            time.sleep(0.1)
 
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
@@ -115,7 +120,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64, help="per rank")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--epoch-sleep", type=float, default=0.0, help="seconds to idle at each epoch end")
+    ap.add_argument("--pause-file", help="at each epoch end, wait while this file exists (until a stop)")
     ap.add_argument("--root", default="lightning_digits", help="Lightning's default_root_dir (checkpoints/ in it)")
     ap.add_argument("--weights", help="rank 0 saves the final state_dict here")
     ap.add_argument("--stop-together", action="store_true", help="SIGTERM through StopTogether (see there)")
@@ -124,13 +129,15 @@ def main() -> None:
     # One thread per rank: the ranks of a node share its cores.
     torch.set_num_threads(1)
     L.seed_everything(args.seed, workers=True)
-    model = DigitsMLP(args.seed, args.lr, args.epoch_sleep)
+    model = DigitsMLP(args.seed, args.lr, args.pause_file)
     loader = DataLoader(digits(), batch_size=args.batch_size, shuffle=True)
     ckpt_dir = os.path.join(args.root, "checkpoints")
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
         max_epochs=args.epochs, default_root_dir=args.root, logger=False, deterministic=True,
         enable_progress_bar=False, enable_model_summary=False,
+        # hpc_train requeues the job: Lightning's own requeue (scontrol on its signal) stays off.
+        plugins=[SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else [],
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.every_n_steps, save_last=True),
                    # Saves when fit ends by an exception, Lightning's SIGTERM included (the stop).
                    OnExceptionCheckpoint(dirpath=ckpt_dir), *([StopTogether()] if args.stop_together else [])],

@@ -4,9 +4,10 @@ launcher (Ctrl-C's path: SIGTERM to every rank's script) saves through Lightning
 (SIGTERMException, then OnExceptionCheckpoint), and the same command resumes from it to weights
 bitwise those of an uninterrupted run.
 
-The stop lands on an epoch boundary: the script idles at each epoch's end (``--epoch-sleep``) and
-the test signals once rank 0 says the epoch ended. That is the case Lightning resumes bitwise: a
-stop inside an epoch restarts that epoch's data from its beginning (docs/lightning.md).
+The stop lands on an epoch boundary: every rank waits at an epoch's end while a pause file exists
+(``--pause-file``, until a stop comes), and the test signals once rank 0 says the epoch ended.
+That is the case Lightning resumes bitwise: a stop inside an epoch restarts that epoch's data from
+its beginning (docs/lightning.md).
 ModelCheckpoint saves every 10 steps, which falls inside an epoch of 14: the stop's own save is
 what makes the resume exact.
 """
@@ -60,24 +61,27 @@ def _stop_once_logged(p: subprocess.Popen, log, text: str, timeout: float = 240)
 
 
 def test_stopped_at_an_epoch_end_saves_through_lightning_and_resumes_bitwise(straight, tmp_path):
-    cmd = _cmd(tmp_path, "--epoch-sleep", "2")
+    pause = tmp_path / "pause"
+    pause.touch()
+    cmd = _cmd(tmp_path, "--pause-file", pause)
     ckpts, logs = tmp_path / "ld" / "checkpoints", tmp_path / "run" / "logs"
-    p = _stop_once_logged(start(*cmd), logs / "rank-0.log", "epoch 1 ended at step 28")
+    p = _stop_once_logged(start(*cmd), logs / "rank-0.log", "epoch 0 ended at step 14")
     assert p.returncode == 128 + signal.SIGTERM, show(p)
     for rank in (0, 1):     # Lightning's own handler got it on every rank
         assert "Received SIGTERM: 15" in (logs / f"rank-{rank}.log").read_text()
     saved = torch.load(ckpts / "on_exception.ckpt", weights_only=False)
-    assert (saved["epoch"], saved["global_step"]) == (2, 28)      # two whole epochs, none begun
-    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 20
+    assert (saved["epoch"], saved["global_step"]) == (1, 14)      # one whole epoch, none begun
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 10
     rec = json.loads((tmp_path / "run" / "stopped.json").read_text())
     assert rec["stop_signal"] == "SIGTERM" and not (tmp_path / "run" / "result.json").exists()
 
+    pause.unlink()
     p = hpc(*cmd, timeout=300)                                     # the same command
     assert p.returncode == 0, show(p)
     out = p.stdout + p.stderr
     assert f"Restoring states from the checkpoint path at {ckpts / 'on_exception.ckpt'}" in out, show(p)
     assert "ended before the epoch ended" not in out                # Lightning's warning for a mid-epoch resume
-    assert "epoch 1 ended" not in out and "epoch 2 ended at step 42" in out      # no epoch trained twice
+    assert "epoch 0 ended" not in out and "epoch 1 ended at step 28" in out      # no epoch trained twice
     assert_same_weights(straight, torch.load(tmp_path / "final.pt", weights_only=True))
     assert (tmp_path / "run" / "result.json").exists()
     assert not (ckpts / "on_exception.ckpt").exists()       # Lightning removes it once fit ends normally
