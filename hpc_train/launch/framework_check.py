@@ -90,10 +90,12 @@ def spawned_ranks(pid: int, port: int) -> list[int]:
     its parent's sockets (same inode): only sockets it opened count."""
     on_port = _sockets_on_port(pid, port)
     script = _socket_inodes(pid)
-    return [c for c in _descendants(pid) if (_socket_inodes(c) & on_port) - script]
+    return [c for c in descendants(pid) if (_socket_inodes(c) & on_port) - script]
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, each before its own children: what a supervisor that ends a
+    script for a wrong setting ends with it (ranks a script started do not die with it)."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
