@@ -1,0 +1,96 @@
+"""Issue 33 (5) on the real local cluster: jobs/lightning_digits.py, a plain Lightning script,
+under `submit --script` on 2 nodes (`num_nodes=2, devices=1`, SLURMEnvironment with Lightning's
+own requeue off), preempted once by a `high` job and stopped once by its time limit. Each stop
+reaches the script as SIGTERM, once, from hpc_train (issue 33, part 1) and saves through
+Lightning's SIGTERM path (OnExceptionCheckpoint); hpc_train requeues the job exactly once for each;
+the final weights are bitwise those of an uninterrupted Slurm run.
+
+Each stop lands on an epoch boundary, the case Lightning resumes bitwise (docs/lightning.md):
+while a pause file exists, every rank waits at an epoch's end until a stop comes (the script's
+``--pause-file``). Run 1 waits after epoch 0 and is preempted there. Run 2 resumes, waits after
+epoch 1 until its time limit's signal (``--time 3 --signal-lead 30``: 120-150 s into the run, as
+slurmctld checks every 30 s; a stop later than 90 s into a run is the time limit's), and the file
+is then removed: run 3 trains to the end, long before its own limit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from slurm_helpers import ROOT, assert_bitwise
+
+pytestmark = pytest.mark.slurm
+
+SCRIPT = str(ROOT / "jobs" / "lightning_digits.py")
+EPOCHS = 6      # of 14 steps each on 2 ranks
+
+
+def _args(root: Path, *extra) -> list:
+    return ["--", "--devices", "1", "--num-nodes", "2", "--epochs", str(EPOCHS), "--root", root / "ld",
+            "--weights", root / "final.pt", *extra]
+
+
+def _log(run_dir: Path, rank: int = 0) -> str:
+    path = run_dir / "logs" / f"rank-{rank}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def _wait_for(what: str, done, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def slurm_reference(cluster, tmp_path_factory):
+    """The same script and arguments on the cluster, never stopped: what the stopped job must equal."""
+    import torch
+    d = tmp_path_factory.mktemp("lightning-ref")
+    r = cluster.cli("submit", "--script", SCRIPT, "--nodes", "2", "--time", "10", "--run-dir", d / "run", "--wait",
+                    *_args(d), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    assert [x["State"] for x in cluster.sacct(job)] == ["COMPLETED"], cluster.sacct(job)
+    return torch.load(d / "final.pt", weights_only=True)
+
+
+def test_lightning_script_preempted_then_timed_out_is_requeued_once_each_and_bitwise(slurm, slurm_reference,
+                                                                                       tmp_path):
+    import torch
+    run_dir, pause, ckpts = tmp_path / "job", tmp_path / "pause", tmp_path / "ld" / "checkpoints"
+    pause.touch()
+    r = slurm.cli("submit", "--script", SCRIPT, "--nodes", "2", "--partition", "low", "--time", "3",
+                  "--signal-lead", "30", "--run-dir", run_dir, *_args(tmp_path, "--pause-file", pause))
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+
+    slurm.wait_state(job, {"RUNNING"}, 120)          # run 1: held after epoch 0, preempted there
+    _wait_for("run 1 never ended epoch 0", lambda: "epoch 0 ended at step 14" in _log(run_dir), 240)
+    slurm.preempt_all()
+    # Run 2 (its log appended to run 1's): held after epoch 1 until the time limit's signal.
+    _wait_for("run 2 never ended epoch 1", lambda: "epoch 1 ended at step 28" in _log(run_dir), 300)
+    _wait_for("run 2 was never stopped", lambda: _log(run_dir).count("Received SIGTERM") == 2, 300)
+    pause.unlink()                                   # run 3 trains through
+    assert slurm.wait_done(job, 400) == "COMPLETED"
+
+    runs = slurm.sacct(job)
+    assert len(runs) == 3 and runs[-1]["State"] == "COMPLETED", runs
+    assert slurm.restarts(job) == 2                  # one requeue per stop, never two
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert rec["counts"] == {"preemption": 1, "timeout": 1, "failure": 0} and not rec.get("in_place"), rec
+    for rank in (0, 1):
+        log = _log(run_dir, rank)
+        assert log.count(f"rank {rank} of 2 (SLURMEnvironment)") == 3, log[-3000:]
+        assert log.count("Received SIGTERM") == 2, log[-3000:]            # once per stop, from hpc_train
+        assert "SLURM auto-requeueing enabled" not in log                 # Lightning's requeue stayed off
+    log0 = _log(run_dir)
+    assert log0.count(f"Restoring states from the checkpoint path at {ckpts / 'on_exception.ckpt'}") == 2, log0
+    assert "ended before the epoch ended" not in log0                     # both resumes at an epoch boundary
+    assert "epoch 0 ended" in log0 and log0.count("epoch 1 ended") == 1 and f"epoch {EPOCHS - 1} ended" in log0
+    assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
+    assert_bitwise(slurm_reference, torch.load(tmp_path / "final.pt", weights_only=True))
