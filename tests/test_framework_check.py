@@ -71,6 +71,9 @@ def test_devices_1_under_run_is_named_from_lightnings_own_lines(tmp_path):
     p = hpc("run", "--script", REPO / "jobs" / "lightning_digits.py", "--nproc", "2", "--run-dir", rd, "--",
             "--devices", "1", "--epochs", "1", "--root", tmp_path / "ld", timeout=300)
     assert p.returncode != 0, show(p)
+    # The supervisor of rank 0 says it, in one line, on the console and in the rank's error file.
+    assert "`devices` must equal --nproc (2)" in p.stderr, show(p)
+    assert "`devices` must equal --nproc (2)" in (rd / "logs" / "rank-0.error").read_text()
     assert "IndexError" in (rd / "logs" / "rank-1.log").read_text()
     rank0 = derive({"HPC_TRAIN_LAUNCHER": "local", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
                     "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_PORT": "29611"})

@@ -43,7 +43,7 @@ from typing import IO, Any
 
 from hpc_train import rundir
 from hpc_train.config import JobSection, TrainSection
-from hpc_train.launch import joined
+from hpc_train.launch import framework_check, joined
 from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.stops import StopRequest
@@ -55,7 +55,8 @@ log = logging.getLogger("hpc_train")
 TAIL_LINES = 15
 
 
-def _tee(src: IO[bytes], console: IO[bytes], logfile: IO[bytes], tail: collections.deque, lock: threading.Lock) -> None:
+def _tee(src: IO[bytes], console: IO[bytes], logfile: IO[bytes], tail: collections.deque, lock: threading.Lock,
+         on_line=None) -> None:
     """Copy the script's output to the console and the rank's log, until the script closes it.
     The draining never stops while the script runs: a script whose pipe fills blocks for good."""
     for line in iter(src.readline, b""):
@@ -74,7 +75,11 @@ def _tee(src: IO[bytes], console: IO[bytes], logfile: IO[bytes], tail: collectio
             with lock:
                 logfile.write(line)
                 logfile.flush()
-        tail.append(line.decode(errors="replace").rstrip("\n"))
+        text = line.decode(errors="replace").rstrip("\n")
+        tail.append(text)
+        if on_line is not None:
+            with lock:
+                on_line(text)
     src.close()
 
 
@@ -105,24 +110,60 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
                              joined.warn_after(os.environ))
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     lock = threading.Lock()
+    framework = framework_check.Watch(env)      # a framework's wrong settings (Lightning's devices...)
+    wrong: list[str] = []
+
+    def on_line(text: str) -> None:
+        found = framework.line(text)
+        if found:
+            wrong.append(found)
     logfile = rundir.open_append(rundir.rank_log(rd, env.rank), binary=True)   # never through a symlink
-    threads = [threading.Thread(target=_tee, args=(pipe, out, logfile, tail, lock), daemon=True)
+    threads = [threading.Thread(target=_tee, args=(pipe, out, logfile, tail, lock, on_line), daemon=True)
                for pipe, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
     for t in threads:
         t.start()
-    forwarded = False
+    forwarded_at: float | None = None
+    next_look = time.monotonic() + 2.0
     while proc.poll() is None:
         never_joined = watch.poll()
         if never_joined:
             log.warning("%s", never_joined)
-        if stop.requested and not forwarded:
-            forwarded = True
+        if time.monotonic() >= next_look:
+            next_look = time.monotonic() + 2.0
+            found = framework.processes(proc.pid)
+            if found:
+                with lock:
+                    wrong.append(found)
+        if wrong:
+            # SIGKILL, not SIGTERM: a framework stopped by SIGTERM saves the wrong group's state,
+            # which its next start would resume from.
+            _kill_tree(proc.pid)
+            break
+        if stop.requested and forwarded_at is None:
+            forwarded_at = time.monotonic()
             log.info("%s received: passing SIGTERM to the script (pid %d)", stop.name, proc.pid)
             try:
                 proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        elif forwarded_at is not None and time.monotonic() - forwarded_at > max(10, job.signal_lead):
+            # The grace a stop gives (job.signal_lead: the time before Slurm's limit) is over: a
+            # script that hangs in its own stop (a framework's collective with a peer that left)
+            # would otherwise keep its rank, and the run, forever.
+            log.error("the script did not exit %d s after SIGTERM (job.signal_lead); killing it", job.signal_lead)
+            _kill_tree(proc.pid)
+            forwarded_at = float("inf")
         time.sleep(0.05)
+    proc.wait()
+    forwarded = forwarded_at is not None
+    if wrong:
+        for t in threads:
+            t.join(timeout=10)
+        logfile.close()
+        msg = f"rank {env.rank}: {wrong[0]}"
+        rundir.write_atomic(rundir.rank_error(rd, env.rank), msg + "\n")
+        log.error("%s", msg)
+        raise ScriptFailed(msg)
     for t in threads:
         t.join(timeout=10)
     logfile.close()
@@ -159,6 +200,16 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         result.write(rd, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                           "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the script and every process below it (processes it started, such as ranks of
+    its own, do not die with it)."""
+    for p in [*framework_check.descendants(pid), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _child_setup(job_signal: str, script_signal: str):
