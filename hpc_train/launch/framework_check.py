@@ -57,11 +57,13 @@ class Watch:
         return None
 
     def processes(self, pid: int) -> str | None:
-        """Look below the script (process ``pid``) for ranks it started itself."""
+        """Look below the script (process ``pid``) for ranks it started itself: two or more
+        processes with sockets of their own on the rendezvous port. One alone is a script that
+        runs its training in a child (a wrapper), which is that rank, not one of its own."""
         if self.said is not None:
             return None
         spawned = spawned_ranks(pid, self.env.master_port)
-        return self._say(_spawned(self.env, len(spawned))) if spawned else None
+        return self._say(_spawned(self.env, len(spawned))) if len(spawned) >= 2 else None
 
     def _say(self, msg: str) -> str:
         self.said = msg
