@@ -245,3 +245,31 @@ def test_an_unmodified_script_saves_on_sigterm_when_preempted_and_is_requeued_on
         assert "killed by SIGUSR2" not in log, log[-3000:]
         assert "SIGUSR2 received: passing SIGTERM to the script" in log, log[-3000:]
     assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
+
+
+def test_an_unmodified_script_under_torchrun_saves_at_each_time_limit_stop(slurm, tmp_path):
+    """Issue 33.1, the other path: the standalone script of `sbatch --launcher torchrun`,
+    submitted with plain sbatch, time-limited (1 minute, the signal 20 s ahead; slurmctld's tick
+    moves it by up to 30 s). Slurm's TERM reaches torchrun, which passes it to its worker; the
+    script gets SIGTERM from hpc_train and saves the step it had reached (within one). Each stop
+    is requeued as the time limit's (never as a preemption or a failure), once per stop, and the
+    job finishes from the snapshots."""
+    script, snap, run_dir, out = tmp_path / "saves_on_sigterm.py", tmp_path / "snap.json", tmp_path / "job", \
+        tmp_path / "job.sbatch"
+    script.write_text(SAVES_ON_SIGTERM)
+    steps = 450
+    r = slurm.cli("sbatch", "--script", script, "--launcher", "torchrun", "--nodes", "2", "--time", "1",
+                  "--signal-lead", "20", "--run-dir", run_dir, "-o", out, "--", snap, str(steps))
+    assert r.returncode == 0, r.stderr
+    job = slurm.run("sbatch", "--parsable", out, check=True).stdout.strip().split(";")[0]
+    assert slurm.wait_done(job, 600) == "COMPLETED", slurm.sacct(job)
+    text = (run_dir / "logs" / "rank-0.log").read_text()
+    stops = [tuple(map(int, m)) for m in re.findall(r"SIGTERM came at step (\d+); saved snapshot at step (\d+)", text)]
+    assert stops and all(came <= saved <= came + 1 for came, saved in stops), stops
+    runs = slurm.sacct(job)
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert rec["counts"] == {"preemption": 0, "timeout": len(stops), "failure": 0}, (rec, stops)
+    assert len(runs) == len(stops) + 1 and not rec.get("in_place"), runs      # one requeue per stop
+    for _, saved in stops:
+        assert f"resumed from snapshot at step {saved}" in text, text[-3000:]
+    assert f"done at step {steps}" in text and (run_dir / "result.json").exists()
