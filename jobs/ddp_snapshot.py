@@ -30,6 +30,19 @@ def regression_data(n: int = 4096, dim: int = 20) -> TensorDataset:
     return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
 
 
+def image_data(n: int = 2048) -> TensorDataset:
+    """MNIST-shaped images and labels (the tutorials' ConvNet input), made up."""
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def convnet() -> torch.nn.Module:
+    """pytorch/examples' MNIST ConvNet: where a CPU's threads per process start to matter."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(9216, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=20)
@@ -37,6 +50,7 @@ def main() -> None:
     ap.add_argument("--snapshot", default="snapshot.pt")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--epoch-sleep", type=float, default=0.0, help="seconds to idle after each epoch")
+    ap.add_argument("--model", choices=("mlp", "conv"), default="mlp", help="mlp: regression; conv: MNIST ConvNet")
     args = ap.parse_args()
 
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -45,7 +59,11 @@ def main() -> None:
     print("torchrun variables: " + " ".join(f"{k}={os.environ[k]}" for k in names), flush=True)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
+    if args.model == "conv":
+        model, data, loss_fn = convnet().to(device), image_data(), F.cross_entropy
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
+        data, loss_fn = regression_data(), F.mse_loss
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     first_epoch = 0
     if os.path.exists(args.snapshot):
@@ -55,15 +73,15 @@ def main() -> None:
         first_epoch = snap["epochs_run"]
         print(f"rank {rank}: resuming training from snapshot at epoch {first_epoch}", flush=True)
     ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    data = regression_data()
     sampler = DistributedSampler(data)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    started = time.perf_counter()
     for epoch in range(first_epoch, args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
-            loss = F.mse_loss(ddp(x), y)
+            loss = loss_fn(ddp(x), y)
             loss.backward()
             optimizer.step()
         if rank == 0:
@@ -75,6 +93,8 @@ def main() -> None:
                 os.replace(tmp, args.snapshot)
         time.sleep(args.epoch_sleep)
     dist.barrier()
+    if rank == 0:
+        print(f"trained epochs {first_epoch}-{args.epochs - 1} in {time.perf_counter() - started:.3f} s", flush=True)
     dist.destroy_process_group()
 
 

@@ -18,16 +18,14 @@ No torch here (the supervisor adds a process per task, and should add nothing el
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
+from hpc_train.launch import joined
 from hpc_train.node.environment import NodeEnv
 
 # Lightning's and Fabric's line (lightning/fabric/utilities/distributed.py, _init_dist_connection).
 _MEMBER = re.compile(r"Initializing distributed: GLOBAL_RANK: (\d+), MEMBER: \d+/(\d+)")
-# /proc/net/tcp states (include/net/tcp_states.h): a socket that listens, or one that is connected.
-_LISTEN, _ESTABLISHED = "0A", "01"
 
 
 @dataclass
@@ -90,64 +88,9 @@ def spawned_ranks(pid: int, port: int) -> list[int]:
     """Processes below ``pid`` holding a socket on ``port`` (listening on it, or connected to or
     from it) that ``pid`` itself does not hold: ranks it started itself. A forked child shares
     its parent's sockets (same inode): only sockets it opened count."""
-    on_port = _sockets_on_port(pid, port)
-    script = _socket_inodes(pid)
-    return [c for c in descendants(pid) if (_socket_inodes(c) & on_port) - script]
+    on_port = joined.inodes_on_port(pid, port)
+    script = joined.socket_inodes([pid])
+    return [c for c in joined.descendants(pid) if (joined.socket_inodes([c]) & on_port) - script]
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, each before its own children: what a supervisor that ends a
-    script for a wrong setting ends with it (ranks a script started do not die with it)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for kid in _children(p):
-            out.append(kid)
-            todo.append(kid)
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids += [int(x) for x in f.read().split()]
-    except OSError:         # gone meanwhile: nothing below it
-        pass
-    return kids
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    except OSError:
-        pass
-    return inodes
-
-
-def _sockets_on_port(pid: int, port: int) -> set[str]:
-    """Inodes of the TCP sockets in ``pid``'s network namespace that listen on ``port`` or are
-    connected with ``port`` at either end."""
-    want = f"{port:04X}"
-    inodes = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) < 10 or cols[3] not in (_LISTEN, _ESTABLISHED):
-                continue
-            if want in (cols[1].rsplit(":", 1)[-1], cols[2].rsplit(":", 1)[-1]):
-                inodes.add(cols[9])
-    return inodes
+descendants = joined.descendants

@@ -68,34 +68,33 @@ class JoinWatch:
 
 def holds_port(root: int, port: int) -> bool:
     """Whether ``root`` or a process under it holds a TCP socket with either end on ``port``."""
-    inodes = _socket_inodes(_tree(root))
-    return bool(inodes) and any(i in inodes for i in _inodes_on_port(root, port))
+    inodes = socket_inodes([root, *descendants(root)])
+    return bool(inodes) and any(i in inodes for i in inodes_on_port(root, port))
 
 
-def _tree(root: int) -> list[int]:
-    """``root`` and its descendants, from every process's parent in ``/proc/PID/stat``."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "PID (COMM) STATE PPID ...": COMM may hold spaces and parentheses, so split after the last ")".
-        fields = stat.rpartition(b")")[2].split()
-        if len(fields) > 1 and fields[1].isdigit():
-            children.setdefault(int(fields[1]), []).append(int(name))
-    tree, todo = [root], [root]
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, each before its own children (``/proc/PID/task/*/children``:
+    no scan of every process on the node)."""
+    out, todo = [], [pid]
     while todo:
-        kids = children.get(todo.pop(), [])
-        tree += kids
-        todo += kids
-    return tree
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:         # gone meanwhile: nothing below it
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            out += kids
+            todo += kids
+    return out
 
 
-def _socket_inodes(pids: Iterable[int]) -> set[int]:
+def socket_inodes(pids: Iterable[int]) -> set[int]:
+    """The inodes of the sockets the processes ``pids`` hold open."""
     inodes: set[int] = set()
     for pid in pids:
         try:
@@ -112,8 +111,9 @@ def _socket_inodes(pids: Iterable[int]) -> set[int]:
     return inodes
 
 
-def _inodes_on_port(pid: int, port: int) -> Iterable[int]:
+def inodes_on_port(pid: int, port: int) -> set[int]:
     """Inodes of the TCP sockets (IPv4 and IPv6) with either end on ``port``, in ``pid``'s namespace."""
+    found: set[int] = set()
     for table in ("tcp", "tcp6"):
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
@@ -132,4 +132,5 @@ def _inodes_on_port(pid: int, port: int) -> Iterable[int]:
             except ValueError:
                 continue
             if port in (local, remote) and inode:
-                yield inode
+                found.add(inode)
+    return found

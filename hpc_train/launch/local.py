@@ -285,7 +285,7 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
                 deadline = time.monotonic() + HUNG_GRACE_S
         if deadline is not None and time.monotonic() > deadline:
             _signal_all(procs, signal.SIGKILL)
-        time.sleep(0.05)
+        time.sleep(0.1)
     if failed is None:
         dead = [(rank, p.returncode) for rank, p in enumerate(procs) if _failed(run_dir, rank, p.returncode)]
         if dead:

@@ -53,6 +53,10 @@ from hpc_train.errors import EXIT_STOPPED, ScriptFailed
 
 log = logging.getLogger("hpc_train")
 TAIL_LINES = 15
+# The supervisor shares its node's cores with the ranks: it wakes only as often as a stop must be
+# passed on (a fraction of a second of Slurm's lead time) and looks under the script now and then.
+POLL_S = 0.2
+LOOK_EVERY_S = 5.0
 
 
 def _tee(src: IO[bytes], console: IO[bytes], logfile: IO[bytes], tail: collections.deque, lock: threading.Lock,
@@ -123,13 +127,13 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     for t in threads:
         t.start()
     forwarded_at: float | None = None
-    next_look = time.monotonic() + 2.0
+    next_look = time.monotonic() + LOOK_EVERY_S
     while proc.poll() is None:
         never_joined = watch.poll()
         if never_joined:
             log.warning("%s", never_joined)
         if time.monotonic() >= next_look:
-            next_look = time.monotonic() + 2.0
+            next_look = time.monotonic() + LOOK_EVERY_S
             found = framework.processes(proc.pid)
             if found:
                 with lock:
@@ -153,7 +157,7 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
             log.error("the script did not exit %d s after SIGTERM (job.signal_lead); killing it", job.signal_lead)
             _kill_tree(proc.pid)
             forwarded_at = float("inf")
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     proc.wait()
     forwarded = forwarded_at is not None
     if wrong:
