@@ -114,15 +114,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         kinds = kinds or state_mod.kinds(state)
         self.wait()                      # one save in flight (see module docstring)
-        path = dir_for(self.run_dir, step)
-        if self.rank == 0 and path.exists():
-            # A leftover from a run we did not resume from (skipped as incomplete or damaged):
-            # move it aside rather than write into it or delete it.
-            move_aside(path)
-        if self.pg is not None:
-            dist.barrier(group=self.pg)
-        path.mkdir(parents=True, exist_ok=True)
-        self.written.add(step)
+        path = self._step_dir(step)
         # Checksummed as written; they reach rank 0 with DCP's write results (crc.ChecksummingWriter).
         own = {rank_file(path, self.rank).name: save_pt(_rank_state(state, kinds), rank_file(path, self.rank))}
         if self.rank == 0:
@@ -150,23 +142,7 @@ class Checkpointer:
                                     background=background)
         kw = dict(storage_writer=writer, process_group=self.pg, no_dist=self.no_dist)
         if self.cfg.async_save and not blocking:
-            if self.stager is not None and self._stager_overlaps != overlap:
-                self.stager.close()
-                self.stager = None
-            if self.stager is None:
-                # One stager for the run keeps its CPU copy of the state between saves, so a save copies
-                # into warm buffers instead of allocating and faulting in the state's size again (DCP's
-                # default: a new stager per call), so the loop is blocked for a shorter time at each save
-                # (benchmarks/checkpoint.py measures it). The copy stays allocated between saves (DCP's
-                # default allocates as much at every save). Safe: one save in flight (wait() above), so no
-                # background write still reads the buffers when the next save refills them.
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-                # On GPU, stage into pinned memory with non-blocking copies (torchtitan's
-                # async_with_pinned_mem); on CPU, pinned memory and streams do not apply.
-                gpu = torch.cuda.is_available()
-                self.stager = DefaultStager(StagingOptions(gpu, False, overlap, gpu and overlap))
-                self._stager_overlaps = overlap
-            res = dcp.async_save(dcp_st, async_stager=self.stager, **kw)
+            res = dcp.async_save(dcp_st, async_stager=self._stager_for(overlap), **kw)
             if overlap:
                 self.staging, fut = res.staging_completion, res.upload_completion
             else:
@@ -180,6 +156,38 @@ class Checkpointer:
             self.wait()
         self.stats.append({"step": step, "blocked_s": time.perf_counter() - t0})
         self.last_save_t, self.last_step = time.monotonic(), step
+
+    def _step_dir(self, step: int) -> Path:
+        """The step's directory, new and made on every rank (after rank 0 moved aside a leftover
+        of a run not resumed from: skipped as incomplete or damaged, never written into or
+        deleted)."""
+        path = dir_for(self.run_dir, step)
+        if self.rank == 0 and path.exists():
+            move_aside(path)
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
+        path.mkdir(parents=True, exist_ok=True)
+        self.written.add(step)
+        return path
+
+    def _stager_for(self, overlap: bool):
+        """One stager for the run keeps its CPU copy of the state between saves, so a save copies
+        into warm buffers instead of allocating and faulting in the state's size again (DCP's
+        default: a new stager per call), so the loop is blocked for a shorter time at each save
+        (benchmarks/checkpoint.py measures it). The copy stays allocated between saves (DCP's
+        default allocates as much at every save). Safe: one save in flight (wait()), so no
+        background write still reads the buffers when the next save refills them."""
+        if self.stager is not None and self._stager_overlaps != overlap:
+            self.stager.close()
+            self.stager = None
+        if self.stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            # On GPU, stage into pinned memory with non-blocking copies (torchtitan's
+            # async_with_pinned_mem); on CPU, pinned memory and streams do not apply.
+            gpu = torch.cuda.is_available()
+            self.stager = DefaultStager(StagingOptions(gpu, False, overlap, gpu and overlap))
+            self._stager_overlaps = overlap
+        return self.stager
 
     def _committed_when_written(self, written: Future, step: int, t0: float, kinds: dict[str, str],
                                 writer: ChecksummingWriter) -> Future:

@@ -102,7 +102,6 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     rank's log; a stop reaches it as SIGTERM. ``job``: for the stop record and its requeue;
     ``timeout_s``: how long a silent rank may take before it counts as gone. The run directory's
     lock, a finished run and the heartbeat are the lifecycle's (:mod:`hpc_train.node.session`)."""
-    from hpc_train.node.stops import record_stop
     script = Path(train.script)
     environment.log_placement(env)
     started = time.time()
@@ -110,8 +109,6 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     log.info("running %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=_child_setup(job.signal, train.script_signal))
-    watch = joined.JoinWatch(proc.pid, env.rank, env.world_size, env.master_addr, env.master_port,
-                             joined.warn_after(os.environ))
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     lock = threading.Lock()
     framework = framework_check.Watch(env)      # a framework's wrong settings (Lightning's devices...)
@@ -126,6 +123,20 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
                for pipe, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
     for t in threads:
         t.start()
+    forwarded = _watch(proc, job, env, stop, framework, wrong, lock)
+    for t in threads:
+        t.join(timeout=10)
+    logfile.close()
+    return _conclude(proc.returncode, forwarded, wrong, list(tail), script, job, timeout_s, env, rd, stop, started)
+
+
+def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequest,
+           framework: framework_check.Watch, wrong: list[str], lock: threading.Lock) -> bool:
+    """Until the script exits: pass a stop on as SIGTERM (then kill it when the stop's grace is
+    over), name a rank that never joins, end the script at once for a framework's wrong setting.
+    Returns whether a stop was passed on."""
+    watch = joined.JoinWatch(proc.pid, env.rank, env.world_size, env.master_addr, env.master_port,
+                             joined.warn_after(os.environ))
     forwarded_at: float | None = None
     next_look = time.monotonic() + LOOK_EVERY_S
     while proc.poll() is None:
@@ -159,19 +170,17 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
             forwarded_at = float("inf")
         time.sleep(POLL_S)
     proc.wait()
-    forwarded = forwarded_at is not None
+    return forwarded_at is not None
+
+
+def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], script: Path, job: JobSection,
+              timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest, started: float) -> dict[str, Any]:
+    """What the script's exit means for this task: a failure (raised, with its error file), a
+    stop (recorded), or its part of a finished run (rank 0 writes result.json once every rank's
+    script finished)."""
+    from hpc_train.node.stops import record_stop
     if wrong:
-        for t in threads:
-            t.join(timeout=10)
-        logfile.close()
-        msg = f"rank {env.rank}: {wrong[0]}"
-        rundir.write_atomic(rundir.rank_error(rd, env.rank), msg + "\n")
-        log.error("%s", msg)
-        raise ScriptFailed(msg)
-    for t in threads:
-        t.join(timeout=10)
-    logfile.close()
-    code = proc.returncode
+        _fail(rd, env, f"rank {env.rank}: {wrong[0]}")
     stop.ignore_further()
     # A stop that came after the script's own Run finished (its result.json) only cut short what
     # the script did after finish(), or its exit; one that came once the script had ended by
@@ -190,12 +199,9 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         watchdog.say_ended(rd, env.rank, "stopped")
         return {"stopped": True, "exit_code": code}
     if code != 0 and not (late and finished):
-        last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
         from hpc_train.records.ranks import node_name
-        msg = f"rank {env.rank} on {node_name()}: {script} {_how(code)}; its last lines:\n{last}"
-        rundir.write_atomic(rundir.rank_error(rd, env.rank), msg + "\n")
-        log.error("%s", msg)
-        raise ScriptFailed(msg)
+        last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
+        _fail(rd, env, f"rank {env.rank} on {node_name()}: {script} {_how(code)}; its last lines:\n{last}")
     watchdog.say_ended(rd, env.rank, "finished")
     # The run is finished when every rank's script is: rank 0 writes result.json only then. Were
     # it written when rank 0's own script ended, a rank failing later would leave a failed run
@@ -204,6 +210,13 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         result.write(rd, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                           "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
+
+
+def _fail(rd: Path, env: NodeEnv, msg: str) -> None:
+    """This task failed: its error file (what the launcher and the hook show), its log, raised."""
+    rundir.write_atomic(rundir.rank_error(rd, env.rank), msg + "\n")
+    log.error("%s", msg)
+    raise ScriptFailed(msg)
 
 
 def _kill_tree(pid: int) -> None:

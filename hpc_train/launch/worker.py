@@ -127,7 +127,7 @@ def _call_fn(fn: Callable[..., Any], cfg: Config, env: environment.NodeEnv, devi
 def _run(s: session.Session, target, args: tuple, kwargs: dict, leaving: bool) -> Any:
     from hpc_train import lifecycle
     from hpc_train.node import group   # imports torch: only on the training path
-    from hpc_train.node.stops import StopRun, record_stop
+    from hpc_train.node.stops import record_stop
 
     cfg, env, rd, stop = s.cfg, s.env, s.run_dir, s.stop
     goodput.mark("torch")
@@ -136,51 +136,9 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict, leaving: bool) -
     goodput.mark("group")
     run = lifecycle.start(s, device, owns_group=True)
     run._leave_group = leaving
-    trainer = None
-    clean = False
-    # Set when a stop ended the user's code at an arbitrary point: this rank may have left while a
-    # peer sits in a collective of that code, so the group's sequence of collectives no longer
-    # matches across ranks and the shutdown barrier must not run (it would pair with the peer's
-    # collective: a mismatched reduction, or a hang until dist.timeout_s).
-    interrupted = False
-    out: Any = None
+    clean = interrupted = False
     try:
-        try:
-            if target is not None:
-                goodput.resume_gc()   # the user's code runs with the collector as they expect
-                out = target(*args, **kwargs)
-            elif cfg.train.fn:
-                from hpc_train.plugins import resolve
-                fn = resolve(cfg.train.fn, "train.fn")
-                goodput.resume_gc()
-                out = _call_fn(fn, cfg, env, device)
-            else:
-                from hpc_train.trainer.loop import Trainer
-                stop.listening = True   # the built-in loop acts on stops at its next step_end
-                stop.restore_at_finish = False   # no code of the user's after its finish(): see ignore_further below
-                trainer = Trainer(cfg, run)
-                out = trainer.fit()
-        except SystemExit as e:
-            # The code ended itself: after a stop with run.exit_code (the README's loop), or with
-            # 0 when done. Either is this run's normal end; any other code is a failure.
-            if not (run.stopped or e.code in (0, None)):
-                raise
-        except StopRun:
-            interrupted = True
-            watchdog.say_left_for_stop(rd, env.rank)
-            log.warning("stopped by %s before the code called run.step_end: nothing was saved by hpc_train",
-                        stop.name)
-        except Exception as e:
-            # The same stop ended a peer first, while this rank's code waited in a collective
-            # with it: the peer's exit is this stop's doing, not a failure. A peer that died
-            # (then srun's SIGTERM to the rest) left no word of a stop: that stays a failure.
-            if not (stop.requested and not run.stopped and _peer_lost(e)
-                    and watchdog.peer_left_for_stop(rd, env.world_size, env.rank)):
-                raise
-            interrupted = True
-            watchdog.say_left_for_stop(rd, env.rank)
-            log.warning("stopped by %s before the code called run.step_end (a peer left for the same stop "
-                        "while this rank waited in a collective): nothing was saved by hpc_train", stop.name)
+        out, interrupted = _run_code(s, run, device, target, args, kwargs)
         if stop.requested and not run.stopped and not run.finished:
             record_stop(cfg.job, env, rd, stop, step=None, checkpoint=False)
         elif not run.stopped and not run.finished:
@@ -193,11 +151,58 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict, leaving: bool) -
         return out
     finally:
         goodput.resume_gc()   # a no-op once start-up ended; after an early return or a failure, not left off
-        del trainer  # the DDP reducer must go before the group (see hpc_train.node.group.shutdown)
         try:
             run.close(failed=not clean or interrupted)
         finally:
             lifecycle.forget()
+
+
+def _run_code(s: session.Session, run: Any, device: Any, target, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """The user's code (a callable, ``train.fn``) or the built-in trainer: (what it returned,
+    whether a stop ended it at an arbitrary point). Interrupted, this rank may have left while a
+    peer sits in a collective of that code, so the group's sequence of collectives no longer
+    matches across ranks and the shutdown barrier must not run (it would pair with the peer's
+    collective: a mismatched reduction, or a hang until dist.timeout_s)."""
+    from hpc_train.node.stops import StopRun
+    cfg, env, rd, stop = s.cfg, s.env, s.run_dir, s.stop
+    trainer = None
+    try:
+        if target is not None:
+            goodput.resume_gc()   # the user's code runs with the collector as they expect
+            return target(*args, **kwargs), False
+        if cfg.train.fn:
+            from hpc_train.plugins import resolve
+            fn = resolve(cfg.train.fn, "train.fn")
+            goodput.resume_gc()
+            return _call_fn(fn, cfg, env, device), False
+        from hpc_train.trainer.loop import Trainer
+        stop.listening = True   # the built-in loop acts on stops at its next step_end
+        stop.restore_at_finish = False   # no code of the user's after its finish(): see ignore_further in _run
+        trainer = Trainer(cfg, run)
+        return trainer.fit(), False
+    except SystemExit as e:
+        # The code ended itself: after a stop with run.exit_code (the README's loop), or with
+        # 0 when done. Either is this run's normal end; any other code is a failure.
+        if not (run.stopped or e.code in (0, None)):
+            raise
+        return None, False
+    except StopRun:
+        watchdog.say_left_for_stop(rd, env.rank)
+        log.warning("stopped by %s before the code called run.step_end: nothing was saved by hpc_train", stop.name)
+        return None, True
+    except Exception as e:
+        # The same stop ended a peer first, while this rank's code waited in a collective
+        # with it: the peer's exit is this stop's doing, not a failure. A peer that died
+        # (then srun's SIGTERM to the rest) left no word of a stop: that stays a failure.
+        if not (stop.requested and not run.stopped and _peer_lost(e)
+                and watchdog.peer_left_for_stop(rd, env.world_size, env.rank)):
+            raise
+        watchdog.say_left_for_stop(rd, env.rank)
+        log.warning("stopped by %s before the code called run.step_end (a peer left for the same stop "
+                    "while this rank waited in a collective): nothing was saved by hpc_train", stop.name)
+        return None, True
+    finally:
+        del trainer  # the DDP reducer must go before the group (see hpc_train.node.group.shutdown)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -316,9 +316,8 @@ class Agreement:
 
 
 # Bucket 0 carries the agreement inside its own all-reduce when it is at most this big (DDP's
-# first bucket is capped at 1 MiB by default): copying it in and out costs ~0.1 ms on a CPU and
-# next to nothing on a GPU, where a second collective per step costs a round trip (measured on
-# 2 gloo ranks, 2 cores, the digits ConvNet: 2.2% of throughput for the second collective).
+# first bucket is capped at 1 MiB by default): copying a small bucket in and out is cheaper than
+# a second collective per step, which costs a round trip (benchmarks/no_agreement.py compares).
 _CARRY_BYTES = 1 << 20
 
 
