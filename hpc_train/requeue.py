@@ -45,7 +45,8 @@ def request_for_stop(job, env, run_dir: Path, step: int | None, stop) -> str:
     record.write_pending(Path(run_dir), record.Pending(target, step, name, received, here.job,
                                                        here.restart, here.attempt))
     at = "an unknown step" if step is None else f"step {step}"
-    msg = (f"stopped by SIG{name} at {at}; the batch shell decides what follows (a requeue of {target} for a "
-           f"preemption or the time limit, within its budget)")
+    # No cause here: srun's SIGTERM after a peer died looks the same from this rank as the
+    # scheduler's stop. The hook, which sees every rank's record, says what it was.
+    msg = f"stopped by SIG{name} at {at}; asked the batch shell's requeue hook to decide what follows for {target}"
     logging.getLogger("hpc_train").warning("%s (%.1fs after the signal)", msg, time.time() - received)
     return msg

@@ -274,8 +274,10 @@ def test_a_script_run_does_not_claim_to_start_fresh(tmp_path):
     p = hpc("run", "--script", script, "--run-dir", tmp_path / "run", *QUIET)
     assert p.returncode == 0, show(p)
     assert "starting fresh" not in p.stderr, show(p)
-    assert "no hpc_train checkpoint to resume; the script resumes from its own checkpoints, if it keeps any" \
-        in p.stderr, show(p)
+    # Nor that it resumes from its own (issue 29: a fresh script on hpc_train.init() was told so):
+    # what each kind of script does.
+    assert ("no hpc_train checkpoint to resume: the script starts from step 0 if it steps through "
+            "hpc_train.init(), or from its own checkpoints if it keeps any") in p.stderr, show(p)
 
 
 # -- 5. a script run's config.yaml -----------------------------------------------------------

@@ -234,10 +234,12 @@ class ResumePlan:
 
     def describe(self, own_code: str = "") -> str:
         """One line for the console. ``own_code`` names a script or function: hpc_train cannot see
-        what such code restores by itself, so without a checkpoint of hpc_train's it claims nothing."""
+        what such code restores by itself, so without a checkpoint of hpc_train's it says what
+        each kind of code does."""
         if self.source is None:
             if own_code:
-                return f"no hpc_train checkpoint to resume; {own_code} resumes from its own checkpoints, if it keeps any"
+                return (f"no hpc_train checkpoint to resume: {own_code} starts from step 0 if it steps through "
+                        f"hpc_train.init(), or from its own checkpoints if it keeps any")
             return "starting fresh"
         return f"resuming from {self.source.label}"
 

@@ -40,14 +40,16 @@ def _int(env: Mapping[str, str], key: str, default: int = 0) -> int:
     return int(raw) if raw.isdigit() and len(raw) <= 18 else default
 
 
-def _job(path: Path) -> tuple[JobSection, str]:
-    """The job section of the job's config; the defaults and why, when it cannot be read."""
+def _job(path: Path) -> tuple[JobSection, bool, str]:
+    """The job section of the job's config, whether it runs a script, and, when the config cannot
+    be read, the defaults and why."""
     from hpc_train import config
     from hpc_train.errors import UsageError
     try:
-        return config.load(path).job, ""
+        cfg = config.load(path)
+        return cfg.job, bool(cfg.train.script), ""
     except (UsageError, OSError) as e:
-        return JobSection(), f"{path.name} unreadable ({str(e).splitlines()[0][:200]}): the job's defaults apply; "
+        return JobSection(), False, f"{path.name} unreadable ({str(e).splitlines()[0][:200]}): the job's defaults apply; "
 
 
 def budgets(job: JobSection) -> Budgets:
@@ -59,7 +61,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     """The inputs of this hook call, and the history as read (the act writes on top of it).
     ``config``: the job's config (a standalone script's own copy), else the run's config.yaml."""
     run_dir = Path(run_dir)
-    job, note = _job(Path(config) if config else run_dir / rundir.CONFIG)
+    job, script, note = _job(Path(config) if config else run_dir / rundir.CONFIG)
     inc = Incarnation(target(env), _int(env, "SLURM_RESTART_COUNT"))
     step = StepId(env.get("SLURM_JOB_ID", ""), inc.restart, _int(env, ranks_rec.ATTEMPT_ENV))
     history = requeue_rec.read(run_dir)
@@ -108,6 +110,8 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         ranks=step_ranks, ranks_per_node=ranks_per_node,
         srun_tasks_per_node=srun_tasks_per_node, budgets=budgets(job), history=history, job_signal=job.signal,
         signal_lead=job.signal_lead, now=time.time(), nominal_end=view.nominal_end,
-        newest_step=newest.step if newest is not None else 0, own_checkpoint=own,
+        # No checkpoint: the built-in trainer and a loop on Run start from step 0; a script's step,
+        # without one of hpc_train's, is its own business (it keeps its own snapshots): unknown.
+        newest_step=newest.step if newest is not None else None if script else 0, own_checkpoint=own,
         resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors)
     return inputs, history

@@ -346,6 +346,10 @@ def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, ref
     assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
     assert losses(run_dir) == ref_losses
     assert f"{lost} lost at step {second['step']}" in slurm.cli("status", run_dir).stdout
+    # srun ended the surviving ranks with SIGTERM after each failure: no rank takes that for a
+    # preemption, in its log or in a stop record (issue 33.2).
+    for record in (run_dir / "logs" / "rank-0.log", run_dir / "logs" / "rank-1.log", run_dir / "stopped.json"):
+        assert not record.exists() or "preemption" not in record.read_text(), record.read_text()[-3000:]
 
 
 def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
