@@ -47,6 +47,6 @@ def request_for_stop(job, env, run_dir: Path, step: int | None, stop) -> str:
     at = "an unknown step" if step is None else f"step {step}"
     # No cause here: srun's SIGTERM after a peer died looks the same from this rank as the
     # scheduler's stop. The hook, which sees every rank's record, says what it was.
-    msg = f"stopped by SIG{name} at {at}; asked the batch shell's requeue hook to decide what follows for {target}"
+    msg = f"stopped by SIG{name.removeprefix('SIG')} at {at}; asked the batch shell's requeue hook to decide what follows for {target}"
     logging.getLogger("hpc_train").warning("%s (%.1fs after the signal)", msg, time.time() - received)
     return msg

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -123,7 +124,11 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
                for pipe, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
     for t in threads:
         t.start()
-    forwarded = _watch(proc, job, env, stop, framework, wrong, lock)
+    forwarded, exited_at = _watch(proc, job, env, stop, framework, wrong, lock)
+    # A stop that reached this process before the script exited reached the script as well, or
+    # would have: a launcher's SIGTERM goes to the whole process group (torchrun's workers), so
+    # the script can save and exit on its own before this loop passes the stop on.
+    forwarded = forwarded or stop.came_before(exited_at)
     for t in threads:
         t.join(timeout=10)
     logfile.close()
@@ -131,14 +136,15 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
 
 
 def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequest,
-           framework: framework_check.Watch, wrong: list[str], lock: threading.Lock) -> bool:
+           framework: framework_check.Watch, wrong: list[str], lock: threading.Lock) -> tuple[bool, float]:
     """Until the script exits: pass a stop on as SIGTERM (then kill it when the stop's grace is
     over), name a rank that never joins, end the script at once for a framework's wrong setting.
-    Returns whether a stop was passed on."""
+    Returns whether a stop was passed on, and when (monotonic) the script's exit was seen."""
     watch = joined.JoinWatch(proc.pid, env.rank, env.world_size, env.master_addr, env.master_port,
                              joined.warn_after(os.environ))
     forwarded_at: float | None = None
     next_look = time.monotonic() + LOOK_EVERY_S
+    exit_fd = _exit_fd(proc.pid)
     while proc.poll() is None:
         never_joined = watch.poll()
         if never_joined:
@@ -168,9 +174,28 @@ def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequ
             log.error("the script did not exit %d s after SIGTERM (job.signal_lead); killing it", job.signal_lead)
             _kill_tree(proc.pid)
             forwarded_at = float("inf")
-        time.sleep(POLL_S)
+        _sleep_unless_exit(exit_fd)
+    exited_at = time.monotonic()
+    if exit_fd is not None:
+        os.close(exit_fd)
     proc.wait()
-    return forwarded_at is not None
+    return forwarded_at is not None, exited_at
+
+
+def _exit_fd(pid: int) -> int | None:
+    """A pidfd that becomes readable the moment the script exits (Linux 5.3), so its exit is
+    seen at once and told apart from a stop that came just after it; None where there is none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _sleep_unless_exit(exit_fd: int | None) -> None:
+    if exit_fd is None:
+        time.sleep(POLL_S)
+    else:
+        select.select([exit_fd], [], [], POLL_S)    # a signal's handler runs, then the wait goes on
 
 
 def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], script: Path, job: JobSection,

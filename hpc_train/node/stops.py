@@ -81,6 +81,10 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signum is not None
 
+    def came_before(self, monotonic_t: float) -> bool:
+        """A stop was recorded before ``monotonic_t`` (a ``time.monotonic()`` reading)."""
+        return self._stopped_at is not None and self._stopped_at <= monotonic_t
+
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else "none"
