@@ -24,7 +24,7 @@ from ckpt_helpers import REPO, clean_env, kill9_workers, load_full, run, show, w
 from hpc_train.ckpt import store as resume
 from hpc_train.cli.ckpt import verify_one
 
-KILLS = 10
+KILLS = 6
 CRASH_CFG = {"model": {"name": "mlp", "hidden": 2048, "dropout": 0.1},
              "train": {"max_steps": 100000, "log_every": 50},
              "checkpoint": {"every_steps": 1, "keep": 2}}

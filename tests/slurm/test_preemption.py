@@ -44,7 +44,7 @@ def _stop_resume_pairs(run_dir: Path) -> list[tuple[int, int]]:
 
 # One uninterrupted local run (2 processes, the same config) that every job below must equal:
 # the checkpoint interval and dist.timeout_s, which they vary, do not change the arithmetic.
-STEPS = 2000
+STEPS = 1500
 REF_FLAGS = ["--set", f"train.max_steps={STEPS}", "--set", "checkpoint.every_steps=500"]
 
 
@@ -105,25 +105,6 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, reference, tmp
     assert b["parts"]["between runs"] > 0 and b["parts"]["checkpoint"] > 0 and b["parts"]["training"] > 0
     print(f"goodput after 2 preemptions: {goodput.summary_line(run_dir)}; scheduler's wall {wall:.1f} s")
     assert "goodput:" in status.stdout
-
-
-def test_time_limit_requeues_itself_and_finishes_bitwise(slurm, reference, tmp_path):
-    # A 1-minute limit with the signal 20 s ahead: slurmctld's 30 s tick puts the signal 10-40 s
-    # into each run. At ~30 ms a step, no run trains 2000 steps: at least two runs.
-    ref, _ = reference
-    run_dir = tmp_path / "job"
-    r = slurm.cli("submit", *BASE, *REF_FLAGS, "--nodes", "2", "--time", "1", "--signal-lead", "20",
-                  "--run-dir", run_dir, "--wait", timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout
-    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
-    runs = slurm.sacct(job)
-    assert len(runs) >= 2 and runs[-1]["State"] == "COMPLETED", runs
-    rec = json.loads((run_dir / "requeue.json").read_text())
-    assert rec["counts"]["timeout"] == len(runs) - 1 and rec["counts"]["preemption"] == 0, rec
-    pairs = _stop_resume_pairs(run_dir)
-    assert len(pairs) == len(runs) - 1, (pairs, runs)     # one stop and one resume per requeue
-    assert all(s == r for s, r in pairs), pairs
-    assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
 
 
 def test_spent_time_limit_budget_ends_with_a_clear_state(slurm, tmp_path):

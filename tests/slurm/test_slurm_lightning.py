@@ -8,9 +8,11 @@ the final weights are bitwise those of an uninterrupted Slurm run.
 Each stop lands on an epoch boundary, the case Lightning resumes bitwise (docs/lightning.md):
 while a pause file exists, every rank waits at an epoch's end until a stop comes (the script's
 ``--pause-file``). Run 1 waits after epoch 0 and is preempted there. Run 2 resumes, waits after
-epoch 1 until its time limit's signal (``--time 3 --signal-lead 30``: 120-150 s into the run, as
-slurmctld checks every 30 s; a stop later than 90 s into a run is the time limit's), and the file
-is then removed: run 3 trains to the end, long before its own limit.
+epoch 1 until its time limit's signal, and the file is then removed: run 3 trains to the end,
+long before its own limit. The job is submitted with ``--time 3 --signal-lead 30`` (a stop earlier
+than 90 s into a run is a preemption's: run 1's is); once run 2 waits after epoch 1, its limit is
+lowered to 2 minutes (``scontrol update``), so its signal comes 60-90 s into it, as slurmctld
+checks every 30 s, not 120-150 s: a stop with 90 s or less left is the time limit's.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def test_lightning_script_preempted_then_timed_out_is_requeued_once_each_and_bit
     slurm.preempt_all()
     # Run 2 (its log appended to run 1's): held after epoch 1 until the time limit's signal.
     _wait_for("run 2 never ended epoch 1", lambda: "epoch 1 ended at step 28" in _log(run_dir), 300)
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=2", check=True)
     _wait_for("run 2 was never stopped", lambda: _log(run_dir).count("Received SIGTERM") == 2, 300)
     pause.unlink()                                   # run 3 trains through
     assert slurm.wait_done(job, 400) == "COMPLETED"

@@ -186,6 +186,7 @@ SAVES_ON_SIGTERM = """\
 # are taught; it resumes from that snapshot when it starts again.
 import json, os, signal, sys, time
 snap, steps, rank = sys.argv[1], int(sys.argv[2]), int(os.environ["RANK"])
+snap = snap.replace("{task}", os.environ.get("SLURM_ARRAY_TASK_ID", ""))   # one snapshot per array task
 step, came_at = 0, None
 def on_term(signum, frame):
     global came_at
@@ -245,6 +246,44 @@ def test_an_unmodified_script_saves_on_sigterm_when_preempted_and_is_requeued_on
         assert "killed by SIGUSR2" not in log, log[-3000:]
         assert "SIGUSR2 received: passing SIGTERM to the script" in log, log[-3000:]
     assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
+
+
+def test_unmodified_array_task_scripts_save_at_each_time_limit_stop(slurm, tmp_path):
+    """Issue 33.1, the srun launcher's time limit, in array tasks: a sweep of two points, one node
+    each, both running at once, each time-limited (1 minute, the signal 20 s ahead; slurmctld's
+    tick moves it by up to 30 s). job.signal (USR2) reaches every process of each task's step, the
+    script included; the script, which has no USR2 handler, is not killed by it: it gets SIGTERM
+    from hpc_train and saves the step it had reached (within one). Each task is requeued as the
+    time limit's, once per stop, only that task, and finishes from its own snapshots."""
+    script, sweep_dir = tmp_path / "saves_on_sigterm.py", tmp_path / "sweep"
+    script.write_text(SAVES_ON_SIGTERM)
+    steps = 450
+    snap = tmp_path / "snap-{task}.json"          # the script names its file by SLURM_ARRAY_TASK_ID
+    r = slurm.cli("submit", "--script", script, "--nodes", "1", "--time", "1", "--signal-lead", "20",
+                  "--sweep", "optim.lr=0.1,0.2", "--array-parallelism", "2", "--run-dir", sweep_dir,
+                  "--", snap, str(steps))
+    assert r.returncode == 0, r.stderr
+    tasks = re.findall(r"submitted array task (\S+):", r.stdout)
+    dirs = [Path(d) for d in re.findall(r" -> (.+)$", r.stdout, re.MULTILINE)]
+    assert len(tasks) == 2 == len(dirs) and all("_" in t for t in tasks), r.stdout
+    for task, run_dir in zip(tasks, dirs):
+        assert slurm.wait_done(task, 600) == "COMPLETED", slurm.sacct(task)
+        text = (run_dir / "logs" / "rank-0.log").read_text()
+        stops = [tuple(map(int, m)) for m in re.findall(r"SIGTERM came at step (\d+); saved snapshot at step (\d+)",
+                                                        text)]
+        assert stops and all(came <= saved <= came + 1 for came, saved in stops), (task, stops)
+        runs = slurm.sacct(task)
+        assert len(runs) == len(stops) + 1 and runs[-1]["State"] == "COMPLETED", runs   # one requeue per stop
+        rec = json.loads((run_dir / "requeue.json").read_text())
+        assert rec["counts"] == {"preemption": 0, "timeout": len(stops), "failure": 0}, (rec, stops)
+        assert all(e["key"].startswith(task + ":") for e in rec["events"]) and not rec.get("in_place"), rec
+        for _, saved in stops:
+            assert f"resumed from snapshot at step {saved}" in text, text[-3000:]
+        assert f"done at step {steps}" in text, text[-3000:]
+        assert "killed by SIGUSR2" not in text and "SIGUSR2 received: passing SIGTERM to the script" in text, \
+            text[-3000:]
+        assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
+    assert (tmp_path / "snap-0.json").exists() and (tmp_path / "snap-1.json").exists()
 
 
 def test_an_unmodified_script_under_torchrun_saves_at_each_time_limit_stop(slurm, tmp_path):
