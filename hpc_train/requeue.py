@@ -39,7 +39,9 @@ def request_for_stop(job, env, run_dir: Path, step: int | None, stop) -> str:
     """Rank 0, after a stop's checkpoint (or a stopped script): leave the request for the batch
     shell's hook, which decides. Returns the line for the stop record and the log."""
     received = getattr(stop, "received_at", None) or time.time()
-    name = getattr(stop, "name", "") or ""
+    # The record holds the signal as job.signal names it (USR2, TERM), which the hook compares
+    # it with; StopRequest.name is Python's (SIGUSR2).
+    name = (getattr(stop, "name", "") or "").removeprefix("SIG")
     here = StepId.from_env()
     target = env.requeue_target or ""
     record.write_pending(Path(run_dir), record.Pending(target, step, name, received, here.job,
@@ -47,6 +49,6 @@ def request_for_stop(job, env, run_dir: Path, step: int | None, stop) -> str:
     at = "an unknown step" if step is None else f"step {step}"
     # No cause here: srun's SIGTERM after a peer died looks the same from this rank as the
     # scheduler's stop. The hook, which sees every rank's record, says what it was.
-    msg = f"stopped by SIG{name.removeprefix('SIG')} at {at}; asked the batch shell's requeue hook to decide what follows for {target}"
+    msg = f"stopped by SIG{name} at {at}; asked the batch shell's requeue hook to decide what follows for {target}"
     logging.getLogger("hpc_train").warning("%s (%.1fs after the signal)", msg, time.time() - received)
     return msg

@@ -160,6 +160,34 @@ def test_a_time_limit_stop_is_requeued_even_when_a_rank_dies_at_the_same_moment(
     assert _requeue(rd)["counts"]["timeout"] == 1, _requeue(rd)
 
 
+def test_a_preemption_with_a_rank_dying_at_the_same_moment_is_requeued_from_the_request_a_step_leaves(
+        tmp_path, monkeypatch):
+    """Rank 0's request as its own writer leaves it (requeue.request_for_stop, after a real
+    StopRequest got the job's signal), not as laid down by hand: the preemption's USR2 reached
+    every rank and rank 1 died during the stop. It is still the preemption, requeued once, not
+    a failure restarted in place (the writer once stored "SIGUSR2", which never equals
+    job.signal, so any rank's death turned the stop into a failure)."""
+    import signal
+    from types import SimpleNamespace
+
+    from hpc_train import requeue
+    from hpc_train.node.stops import StopRequest
+    from hpc_train import rundir
+    script, rd = _script(tmp_path, "job.nodes=2")
+    _rank(rd, 0, "node1", 2, ended="stopped")
+    _rank(rd, 1, "node2", 2)                        # never said its work ended: it died
+    _stopped(rd, "USR2")
+    for k, v in {"SLURM_JOB_ID": JOB, "SLURM_RESTART_COUNT": "0", rundir.ATTEMPT_ENV: "1"}.items():
+        monkeypatch.setenv(k, v)
+    stop = StopRequest()
+    stop._record(signal.SIGUSR2)                    # what its handler records when the signal comes
+    requeue.request_for_stop(None, SimpleNamespace(requeue_target=JOB), rd, 40, stop)
+    job = _job(tmp_path, script, statuses=[1])
+    assert _calls(tmp_path, "scontrol") == [f"requeue {JOB}"], job.stderr
+    assert len(_calls(tmp_path, "srun")) == 1, job.stderr
+    assert _requeue(rd)["counts"] == {"preemption": 1, "timeout": 0, "failure": 0}, _requeue(rd)
+
+
 def test_no_restart_in_place_starts_in_the_last_signal_lead_seconds(tmp_path):
     """A step started after the time-limit signal would never get it: the job would be killed at
     its limit mid-step, with nothing saved and no requeue. The failure goes to the requeue."""

@@ -243,7 +243,9 @@ def read_pending(run_dir: Path) -> tuple[Pending | None, str | None]:
         if not _TARGET.fullmatch(target):
             raise Bad(f"target is {target!r}, not a Slurm job id")
         return Pending(target, fields.opt_count(raw, "step"),
-                       fields.text(raw, "signal", ""), fields.opt_number(raw, "received_at"),
+                       # A request left by a step before the writer stored job.signal's form
+                       # (SIGUSR2) means the same signal.
+                       fields.text(raw, "signal", "").removeprefix("SIG"), fields.opt_number(raw, "received_at"),
                        fields.text(raw, "job", ""), fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0)), None
     except Bad as e:
         return None, str(e)
