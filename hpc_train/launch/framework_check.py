@@ -91,6 +91,3 @@ def spawned_ranks(pid: int, port: int) -> list[int]:
     on_port = joined.inodes_on_port(pid, port)
     script = joined.socket_inodes([pid])
     return [c for c in joined.descendants(pid) if (joined.socket_inodes([c]) & on_port) - script]
-
-
-descendants = joined.descendants

@@ -124,11 +124,7 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
                for pipe, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
     for t in threads:
         t.start()
-    forwarded, exited_at = _watch(proc, job, env, stop, framework, wrong, lock)
-    # A stop that reached this process before the script exited reached the script as well, or
-    # would have: a launcher's SIGTERM goes to the whole process group (torchrun's workers), so
-    # the script can save and exit on its own before this loop passes the stop on.
-    forwarded = forwarded or stop.came_before(exited_at)
+    forwarded = _watch(proc, job, env, stop, framework, wrong, lock)
     for t in threads:
         t.join(timeout=10)
     logfile.close()
@@ -136,10 +132,10 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
 
 
 def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequest,
-           framework: framework_check.Watch, wrong: list[str], lock: threading.Lock) -> tuple[bool, float]:
+           framework: framework_check.Watch, wrong: list[str], lock: threading.Lock) -> bool:
     """Until the script exits: pass a stop on as SIGTERM (then kill it when the stop's grace is
     over), name a rank that never joins, end the script at once for a framework's wrong setting.
-    Returns whether a stop was passed on, and when (monotonic) the script's exit was seen."""
+    Returns whether a stop reached the script."""
     watch = joined.JoinWatch(proc.pid, env.rank, env.world_size, env.master_addr, env.master_port,
                              joined.warn_after(os.environ))
     forwarded_at: float | None = None
@@ -179,7 +175,10 @@ def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequ
     if exit_fd is not None:
         os.close(exit_fd)
     proc.wait()
-    return forwarded_at is not None, exited_at
+    # A stop that reached this process before the script exited reached the script as well, or
+    # would have: a launcher's SIGTERM goes to the whole process group (torchrun's workers), so
+    # the script can save and exit on its own before this loop passes the stop on.
+    return forwarded_at is not None or stop.came_before(exited_at)
 
 
 def _exit_fd(pid: int) -> int | None:
@@ -247,7 +246,7 @@ def _fail(rd: Path, env: NodeEnv, msg: str) -> None:
 def _kill_tree(pid: int) -> None:
     """SIGKILL the script and every process below it (processes it started, such as ranks of
     its own, do not die with it)."""
-    for p in [*framework_check.descendants(pid), pid]:
+    for p in [*joined.descendants(pid), pid]:
         try:
             os.kill(p, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
