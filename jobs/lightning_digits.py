@@ -124,6 +124,9 @@ def main() -> None:
     ap.add_argument("--root", default="lightning_digits", help="Lightning's default_root_dir (checkpoints/ in it)")
     ap.add_argument("--weights", help="rank 0 saves the final state_dict here")
     ap.add_argument("--stop-together", action="store_true", help="SIGTERM through StopTogether (see there)")
+    ap.add_argument("--lightning-requeue", action="store_true",
+                    help="Lightning's own requeue on SIGUSR2 (needs train.script_signal=passthrough): not "
+                         "what the docs advise; hpc_train counts such a requeue afterwards, from sacct")
     args = ap.parse_args()
 
     # One thread per rank: the ranks of a node share its cores.
@@ -137,7 +140,8 @@ def main() -> None:
         max_epochs=args.epochs, default_root_dir=args.root, logger=False, deterministic=True,
         enable_progress_bar=False, enable_model_summary=False,
         # hpc_train requeues the job: Lightning's own requeue (scontrol on its signal) stays off.
-        plugins=[SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else [],
+        plugins=[SLURMEnvironment(auto_requeue=args.lightning_requeue, requeue_signal=signal.SIGUSR2)]
+        if SLURMEnvironment.detect() else [],
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.every_n_steps, save_last=True),
                    # Saves when fit ends by an exception, Lightning's SIGTERM included (the stop).
                    OnExceptionCheckpoint(dirpath=ckpt_dir), *([StopTogether()] if args.stop_together else [])],

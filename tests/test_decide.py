@@ -23,6 +23,9 @@ budgets, histories, node states (known and unknown) and time left:
    "nodes lost": the step runs again where it ran.
 9. Chosen nodes are usable nodes of the allocation, at most ``job.nodes`` of them, at least
    ``min_nodes``, each once; the recorded world size is their count times the ranks per node.
+10. An earlier run that went back to the queue without the hook (a script's own ``scontrol
+    requeue``) is counted once, by what sacct says of it, and only once sacct says it; a run
+    already recorded is never counted again, and a refusal counts nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from hypothesis import strategies as st
 
 from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
 from hpc_train.login.decide import AGAIN, TICK_S, USABLE, Budgets, Inputs, Nodes, decide
+from hpc_train.login.nodes import PastRun, parse_runs
 from hpc_train.records.ranks import RankRecord
 from hpc_train.records.requeue import Incarnation, InPlace, Pending, Requeue, RequeueState
 
@@ -402,3 +406,78 @@ def test_every_failure_loop_is_bounded(in_place, failure, progress, stop_signal,
         assert steps <= 2, (steps, history)     # the same error at the same step: no third attempt
     elif error is None or progress:
         assert requeues == failure
+
+
+# -- runs requeued outside the hook (issue 33, part 2: Lightning's own scontrol requeue) ---------
+def past(restart: int, state: str = "REQUEUED", elapsed: int | None = 50, limit: int | None = 180) -> PastRun:
+    return PastRun(restart, state, elapsed, limit, NOW - 900 + restart)
+
+
+@pytest.mark.parametrize("run,cause", [
+    (past(0, elapsed=90, limit=180), "timeout"),          # 90 s left <= lead (60 here) + tick: the limit's signal
+    (past(0, elapsed=10, limit=180), "preemption"),       # stopped early: a preemption, or by hand
+    (past(0, "PREEMPTED", elapsed=170, limit=180), "timeout"),
+    (past(0, "NODE_FAIL", elapsed=10), "failure"),
+    (past(0, elapsed=10_000, limit=None), "preemption"),  # no limit: never the limit's
+])
+def test_a_run_requeued_outside_the_hook_is_counted_by_what_sacct_says(run, cause):
+    i = base(status=0, finished=True, inc=Incarnation("7", 1), signal_lead=60, past_runs=(run,))
+    d = decide(i)
+    assert d.action == "finished" and [(e.key, e.cause, e.by) for e in d.seen] == [("7:0", cause, "outside")]
+    assert "run 0 was requeued outside hpc_train" in d.message and f"counted as a {cause}" in d.message
+
+
+def test_outside_requeues_charge_the_budget_of_their_cause():
+    # Run 0 was Lightning's requeue at its time limit; this run's own time-limit stop finds the
+    # timeout budget (1) spent.
+    i = base(status=0, pending=pend(), nominal_end=NOW + 30, inc=Incarnation("7", 1), signal_lead=60,
+             budgets=Budgets(-1, 1, 1, 3), past_runs=(past(0, elapsed=170), past(1, "RUNNING")))
+    d = decide(i)
+    assert d.action == "stop" and d.cause == "timeout" and len(d.seen) == 1, d
+
+
+def test_a_run_sacct_does_not_answer_for_is_left_for_later_and_said():
+    for runs, why in ((None, "sacct did not answer: sacct failed: down"), ((), "sacct does not list them yet"),
+                      ((past(0, "RUNNING"),), "sacct does not list them yet")):
+        d = decide(base(status=0, finished=True, inc=Incarnation("7", 1), past_runs=runs, past_why="sacct failed: down"))
+        assert d.seen == () and "1 earlier run(s) requeued outside hpc_train not counted yet" in d.message, d
+        assert why in d.message
+
+
+def test_parse_runs_takes_whatever_bytes_sacct_printed():
+    text = ("REQUEUED|95|3|2026-11-24T06:53:12\nRESIZING|5|3|2026-11-24T06:53:12\nCANCELLED by 0|x|UNLIMITED|"
+            "Unknown\n\nRUNNING|12|3|Unknown\n")
+    assert parse_runs(text) == (PastRun(0, "REQUEUED", 95, 180, parse_runs(text)[0].end),
+                                PastRun(1, "CANCELLED", None, None, None), PastRun(2, "RUNNING", 12, 180, None))
+    assert parse_runs(text)[0].end is not None
+
+
+@given(st.text(alphabet="|\n0123456789RQUEDNIGT-:Tx ", max_size=200))
+def test_parse_runs_never_fails(text):
+    runs = parse_runs(text)
+    assert [r.restart for r in runs] == list(range(len(runs)))
+
+
+PAST = st.lists(st.builds(PastRun, st.integers(0, 3), st.sampled_from(["REQUEUED", "PREEMPTED", "NODE_FAIL",
+                                                                       "RUNNING", "COMPLETED"]),
+                          st.one_of(st.none(), st.integers(0, 400)), st.one_of(st.none(), st.sampled_from([60, 180]))
+                          , st.one_of(st.none(), st.just(NOW - 50))), max_size=4)
+
+
+@PROPS
+@given(inputs(), st.one_of(st.none(), PAST.map(tuple)))
+def test_an_outside_requeue_is_counted_once_and_only_when_sacct_says_it(i, runs):
+    i = replace(i, past_runs=runs, inc=Incarnation("7", 3) if runs else i.inc)
+    d = decide(i)
+    before = {e.key for e in i.history.events if e.requeued}
+    keys = [e.key for e in d.seen]
+    assert len(keys) == len(set(keys)) and not before & set(keys)          # never twice, never a recorded run
+    assert all(int(k.split(":")[1]) < i.inc.restart and k.startswith("7:") for k in keys)   # earlier runs only
+    said = {r.restart: r for r in runs or ()}
+    for e in d.seen:
+        run = said[int(e.key.split(":")[1])]                                # sacct said it
+        assert run.state not in ("RUNNING", "PENDING") and e.requeued and e.by == "outside"
+        lead_left = run.limit_s is not None and run.elapsed_s is not None and run.limit_s - run.elapsed_s <= i.signal_lead + TICK_S
+        assert (e.cause == "timeout") == (lead_left and run.state != "NODE_FAIL")
+    if i.status == EXIT_USAGE and not i.finished:
+        assert d.seen == ()                                                 # a refusal counts nothing

@@ -404,3 +404,26 @@ def test_the_same_start_up_error_twice_ends_the_job_with_it(tmp_path):
     assert "the same error again at step 0" in last and err in last, job.stderr
     status = hpc("status", rd)
     assert err in status.stdout, show(status)
+
+
+def test_a_run_the_script_requeued_itself_is_counted_by_its_cause_at_the_next_hook(tmp_path):
+    """Issue 33 (2): run 0 ended in Lightning's own ``scontrol requeue`` at its time limit, which
+    ended the batch shell before the hook ran. Run 1 finishes; its hook sees run 0 in sacct (ran
+    170 s of a 3-minute limit) and counts it as the time limit's, once, through the real writer;
+    ``status`` says so."""
+    script, rd = _script(tmp_path, "job.nodes=2", "job.signal_lead=30")
+    (tmp_path / "bin").mkdir()
+    _tool(tmp_path / "bin", "sacct", f'printf "%s\\n" "$*" >> {tmp_path}/sacct.calls\n'
+          'printf "REQUEUED|170|3|2026-11-24T06:53:12\\nRUNNING|40|3|Unknown\\n"\n')
+    job = _job(tmp_path, script, statuses=[], restart=1)
+    _no_traceback(job)
+    assert job.returncode == 0, job.stderr
+    assert "run 0 was requeued outside hpc_train" in _hook_lines(job) and "counted as a timeout" in _hook_lines(job)
+    assert _calls(tmp_path, "sacct") == [f"-n -P -X --duplicates -j {JOB} -o State,ElapsedRaw,TimelimitRaw,End"]
+    rec = _requeue(rd)
+    assert rec["counts"] == {"preemption": 0, "timeout": 1, "failure": 0}, rec
+    assert [(e["key"], e["by"], e["step"]) for e in rec["events"]] == [(f"{JOB}:0", "outside", None)]
+    again = _job(tmp_path, script, statuses=[], restart=1)     # the hook run again counts nothing twice
+    assert _requeue(rd)["counts"]["timeout"] == 1 and "outside" not in _hook_lines(again), again.stderr
+    st = hpc("status", rd)
+    assert "timeout 1" in st.stdout and "(timeout 1 of them requeued outside hpc_train)" in st.stdout, show(st)

@@ -19,6 +19,11 @@ The decisions, in order:
   costs 2), with time to be stopped again (never in the last ``signal_lead`` seconds) and nodes
   to run on; else requeued within the failure budget; else the job **fails**, naming why.
 
+Before any of these, an earlier run of the job that went back to the queue with no requeue
+recorded (a script's own ``scontrol requeue``, as Lightning's auto-requeue does, or an
+administrator's) is counted by what ``sacct`` says of it: the time limit's when it ran to within
+``signal_lead`` + the tick of its limit, a failure's when its node failed, else a preemption's.
+
 An in-place restart resumes from the run's own newest checkpoint once the job saved one (never
 from ``--resume PATH`` again: that would move this job's work aside and train it again).
 """
@@ -26,12 +31,13 @@ from ``--resume PATH`` again: that would move this job's work aside and train it
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE, says_peer_lost
+from hpc_train.login.nodes import PastRun
 from hpc_train.records.ranks import RankRecord
-from hpc_train.records.requeue import Incarnation, InPlace, Pending, RequeueState
+from hpc_train.records.requeue import Incarnation, InPlace, Pending, Requeue, RequeueState
 
 AGAIN = 75              # the hook's exit code that runs srun again in the allocation (EX_TEMPFAIL)
 TICK_S = 60             # slurmctld checks time limits every 30 s: a signal may come up to a tick early
@@ -88,6 +94,8 @@ class Inputs:
     first_step_nodes: int                  # the first step's node count (job.nodes, or the allocation's)
     nodes: Nodes | None                    # None: srun's defaults, no node choice
     errors: Mapping[int, str] = field(default_factory=dict)   # first error line of ranks that wrote one
+    past_runs: tuple[PastRun, ...] | None = ()   # the job's runs (sacct), asked when some went unrecorded
+    past_why: str = ""                     # why sacct's answer is unknown (past_runs None)
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ class Decision:
     next_nodes: str | None = None          # srun's node arguments for the next step (None: unchanged)
     next_resume: str | None = None         # HPC_TRAIN_RESUME for the next step
     error: str | None = None               # the failure's first error line, kept in the record
+    seen: tuple[Requeue, ...] = ()         # earlier runs requeued outside the hook, to count now
 
 
 def _step(step: int | None) -> str:
@@ -139,7 +148,52 @@ def _limit(budget: int) -> str:
     return "unlimited" if budget < 0 else str(budget)
 
 
+def past_cause(run: PastRun, signal_lead: int) -> str:
+    """Why a run went back to the queue without the hook: its node failed, it ran to its time
+    limit (within the lead and a tick, as the hook's own rule for a stop), or else it was stopped
+    early (a preemption, or an administrator's requeue)."""
+    if run.state == "NODE_FAIL":
+        return "failure"
+    if run.limit_s is not None and run.elapsed_s is not None and run.limit_s - run.elapsed_s <= signal_lead + TICK_S:
+        return "timeout"
+    return "preemption"
+
+
+def outside_requeues(i: Inputs) -> tuple[tuple[Requeue, ...], str]:
+    """The earlier runs requeued with no record of the hook's, as requeues to count, and a note.
+    A run sacct does not list, or lists still running, is left for a later hook call."""
+    missing = i.history.unrecorded(i.inc)
+    if not missing:
+        return (), ""
+    runs = {} if i.past_runs is None else {r.restart: r for r in i.past_runs}
+    seen = []
+    for r in missing:
+        run = runs.get(r)
+        if run is None or run.state in ("RUNNING", "PENDING", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"):
+            continue
+        seen.append(Requeue(Incarnation(i.inc.target, r).key, past_cause(run, i.signal_lead), None,
+                            run.end if run.end is not None else i.now, True, by="outside"))
+    said = "; ".join(f"run {e.key.rsplit(':', 1)[1]} was requeued outside hpc_train (by the script, such as "
+                     f"Lightning's auto-requeue, or by hand): counted as a {e.cause}" for e in seen)
+    left = len(missing) - len(seen)
+    if left:
+        why = f"sacct did not answer: {i.past_why}" if i.past_runs is None else "sacct does not list them yet"
+        said += f"{'; ' if said else ''}{left} earlier run(s) requeued outside hpc_train not counted yet ({why})"
+    return tuple(seen), said + "; "
+
+
 def decide(i: Inputs) -> Decision:
+    if i.status == EXIT_USAGE and not i.finished:
+        return _decide(i)     # a refusal writes nothing: the run directory may be another job's
+    seen, note = outside_requeues(i)
+    if not note:
+        return _decide(i)
+    i = replace(i, history=i.history.seen_requeued(seen), pending_note=note + i.pending_note)
+    d = _decide(i)
+    return replace(d, seen=seen, message=d.message if d.message.startswith(note) else note + d.message)
+
+
+def _decide(i: Inputs) -> Decision:
     if i.finished:
         return Decision("finished", "run finished; no requeue", 0)
     if i.status == EXIT_USAGE:

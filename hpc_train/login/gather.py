@@ -95,6 +95,10 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         states, why = slurm.node_states(allocated) if view.nodes is not None and allocated else (None, view.why)
         node_view = Nodes(job.nodes, job.min_nodes or job.nodes, allocated, env.get("SLURMD_NODENAME", ""),
                           view.nodes, states, why or view.why)
+    # Earlier runs that went back to the queue without a requeue of the hook's (a script's own
+    # scontrol requeue ended the batch shell before the hook ran): one sacct says what they were.
+    past, past_why = (slurm.past_runs(inc.target) if history.unrecorded(inc) and status != EXIT_USAGE
+                      else ((), ""))
     from hpc_train.ckpt.store import newest_complete
     newest = newest_complete(run_dir)
     saved_at = newest.record.get("time") if newest is not None else None
@@ -113,5 +117,6 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         # No checkpoint: the built-in trainer and a loop on Run start from step 0; a script's step,
         # without one of hpc_train's, is its own business (it keeps its own snapshots): unknown.
         newest_step=newest.step if newest is not None else None if script else 0, own_checkpoint=own,
-        resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors)
+        resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors,
+        past_runs=past, past_why=past_why)
     return inputs, history

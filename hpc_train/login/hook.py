@@ -51,6 +51,7 @@ def act(run_dir: Path, d: Decision, history: RequeueState, target: str, restart:
     if d.action == "refused":
         return d.message, d.exit_code, []
     inc = requeue_rec.Incarnation(target, restart)
+    history = history.seen_requeued(d.seen)     # runs requeued outside the hook, counted once
 
     def warn(message: str) -> None:
         print(f"hpc_train requeue-hook: warning: {message}", file=sys.stderr)
@@ -76,7 +77,7 @@ def act(run_dir: Path, d: Decision, history: RequeueState, target: str, restart:
         if d.next_nodes is not None:
             lines.append(f"step_nodes={shlex.quote(d.next_nodes)}")
         return d.message, d.exit_code, lines
-    if history.problems and d.action != "finished":
+    if d.seen or (history.problems and d.action != "finished"):
         requeue_rec.write(run_dir, history, warn)    # what was damaged goes aside, named once
     return d.message, d.exit_code, []
 

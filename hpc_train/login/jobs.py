@@ -45,6 +45,9 @@ def _budget_line(run_dir: Path, unread: list[str]) -> str:
     if not (rec.events or rec.in_place):
         return ""
     text = ", ".join(f"{k} {v}" for k, v in rec.counts.items())
+    outside = [e.cause for e in rec.events if e.requeued and e.by == "outside"]
+    if outside:   # a script's own scontrol requeue (Lightning's auto-requeue), seen in sacct by the hook
+        text += f" ({', '.join(f'{c} {outside.count(c)}' for c in dict.fromkeys(outside))} of them requeued outside hpc_train)"
     if rec.in_place:   # restarts in the allocation (a failure each): see login.hook
         text += f"; restarts in place: failure {len(rec.in_place)} (budget used {rec.in_place_used()})"
         for e in rec.in_place:    # a lost node (see login.nodes): which, and the world size it left

@@ -107,3 +107,43 @@ def node_states(hosts: Sequence[str]) -> tuple[dict[str, str] | None, str]:
         if name:
             states[name] = state.strip().lower()
     return states, ""
+
+
+@dataclass(frozen=True)
+class PastRun:
+    """One run of the job as ``sacct --duplicates`` lists it (the n-th row is restart n)."""
+
+    restart: int
+    state: str                   # e.g. REQUEUED, PREEMPTED, NODE_FAIL, RUNNING
+    elapsed_s: int | None        # None: not a number
+    limit_s: int | None          # None: unlimited, or not a number
+    end: float | None            # None: not ended, or not a time
+
+
+def parse_runs(text: str) -> tuple[PastRun, ...]:
+    """``sacct -n -P -X --duplicates -o State,ElapsedRaw,TimelimitRaw,End`` as runs; whatever
+    bytes it printed (a field that is not a number is None). A job that lost a node under
+    ``--no-kill`` has a RESIZING row for the same run: left out."""
+    rows = [(line.split("|") + [""] * 4)[:4] for line in text.splitlines() if line.strip()]
+    rows = [r for r in rows if r[0].strip() != "RESIZING"]
+
+    def num(s: str) -> int | None:
+        s = s.strip()
+        return int(s) if s.isdigit() and len(s) <= 12 else None
+
+    def when(s: str) -> float | None:
+        try:
+            return time.mktime(time.strptime(s.strip(), "%Y-%m-%dT%H:%M:%S"))
+        except (ValueError, OverflowError):
+            return None
+    return tuple(PastRun(i, state.strip().split(" ")[0], num(elapsed), None if (m := num(limit)) is None else 60 * m,
+                         when(end))
+                 for i, (state, elapsed, limit, end) in enumerate(rows))
+
+
+def past_runs(target: str) -> tuple[tuple[PastRun, ...] | None, str]:
+    """Every run of the job (an array task: ``A_I``), or None and why it is unknown (one ``sacct``)."""
+    if not target:
+        return None, "no job id (SLURM_JOB_ID)"
+    out, why = _ask(["sacct", "-n", "-P", "-X", "--duplicates", "-j", target, "-o", "State,ElapsedRaw,TimelimitRaw,End"])
+    return (None, why) if out is None else (parse_runs(out), "")

@@ -3,7 +3,9 @@
 ``requeue.json`` is the history the budgets are counted from, across every incarnation of the
 job: one :class:`Requeue` per stop or failure that asked to go back to the queue (``requeued``:
 whether it went), one :class:`InPlace` per job step started again inside the allocation, and
-``final``, the line of a stop whose budget was spent. Counts are never stored as the truth: a
+``final``, the line of a stop whose budget was spent. A run of the job that went back to the
+queue without the hook (a script's own ``scontrol requeue``, such as Lightning's auto-requeue, or
+an administrator's) is counted too, once the hook sees it in ``sacct`` (``by: outside``). Counts are never stored as the truth: a
 cause's count is the number of its requeues that went through, so no hand-edited or damaged
 count can buy budget, and no count can go negative. (The file still carries ``counts`` for a
 reader's eyes.)
@@ -35,6 +37,7 @@ from hpc_train.records.fields import Bad
 NAME = "requeue.json"
 PENDING = "requeue.pending"
 CAUSES = ("preemption", "timeout", "failure")
+BY = ("hpc_train", "outside")
 MAX_CHARGE = 2            # an in-place restart that made no progress counts twice
 _TARGET = re.compile(r"[0-9]{1,18}(_[0-9]{1,18})?")   # a job id, or ARRAYJOB_TASK
 
@@ -62,6 +65,7 @@ class Requeue:
     time: float
     requeued: bool
     error: str | None = None  # a failure's first error line (the rank that failed first)
+    by: str = "hpc_train"     # who requeued it: the hook, or someone else ("outside", seen in sacct)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,12 @@ class RequeueState:
     def restarts_of(self, inc: Incarnation) -> tuple[InPlace, ...]:
         return tuple(e for e in self.in_place if e.of(inc))
 
+    def unrecorded(self, inc: Incarnation) -> tuple[int, ...]:
+        """The earlier runs of ``inc``'s job (restart counts) that went back to the queue with no
+        requeue recorded: someone other than the hook requeued them."""
+        done = {e.key for e in self.events if e.requeued}
+        return tuple(r for r in range(inc.restart) if Incarnation(inc.target, r).key not in done)
+
     def asked(self, inc: Incarnation) -> Requeue | None:
         """This incarnation's requeue request, if it made one (at most one per incarnation)."""
         return next((e for e in self.events if e.key == inc.key), None)
@@ -117,6 +127,11 @@ class RequeueState:
         """``scontrol requeue`` went through for ``inc``: counted now, never before."""
         return replace(self, events=(*self.events, Requeue(inc.key, cause, step, now, True, error)),
                        requeued_at=(*self.requeued_at, now), final=None)
+
+    def seen_requeued(self, seen: tuple[Requeue, ...]) -> RequeueState:
+        """Runs requeued outside the hook, as ``sacct`` showed them afterwards: counted once each."""
+        fresh = tuple(e for e in seen if e.requeued and e.key not in {x.key for x in self.events if x.requeued})
+        return replace(self, events=(*self.events, *fresh), requeued_at=(*self.requeued_at, *(e.time for e in fresh)))
 
     def not_requeued(self, inc: Incarnation, cause: str, step: int | None, now: float, final: str,
                      error: str | None = None) -> RequeueState:
@@ -141,7 +156,8 @@ def _event(d: Any) -> Requeue:
     if not isinstance(d, dict):
         raise Bad(f"is {d!r}, not an object")
     return Requeue(fields.text(d, "key"), fields.text(d, "cause", choices=CAUSES), fields.opt_count(d, "step"),
-                   fields.number(d, "time"), fields.flag(d, "requeued"), fields.opt_text(d, "error"))
+                   fields.number(d, "time"), fields.flag(d, "requeued"), fields.opt_text(d, "error"),
+                   fields.text(d, "by", "hpc_train", choices=BY))
 
 
 def _restart(d: Any) -> InPlace:

@@ -97,3 +97,40 @@ def test_lightning_script_preempted_then_timed_out_is_requeued_once_each_and_bit
     assert "epoch 0 ended" in log0 and log0.count("epoch 1 ended") == 1 and f"epoch {EPOCHS - 1} ended" in log0
     assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
     assert_bitwise(slurm_reference, torch.load(tmp_path / "final.pt", weights_only=True))
+
+
+def test_lightning_s_own_requeue_at_the_time_limit_is_counted_as_the_time_limit_s(slurm, tmp_path):
+    """Issue 33 (2, 5): what the docs advise against, done anyway. With
+    ``train.script_signal=passthrough`` Slurm's USR2 reaches the script, and Lightning's
+    ``SLURMEnvironment(auto_requeue=True, requeue_signal=SIGUSR2)`` runs ``scontrol requeue``
+    itself at the time limit's signal: Slurm ends the batch shell, and hpc_train's hook never runs
+    for that run. The next run's hook finds it in sacct and counts it once, as the time limit's
+    (not a preemption's); ``status`` says who requeued it."""
+    run_dir, pause = tmp_path / "job", tmp_path / "pause"
+    pause.touch()
+    r = slurm.cli("submit", "--script", SCRIPT, "--nodes", "1", "--partition", "low", "--time", "5",
+                  "--signal-lead", "30", "--set", "train.script_signal=passthrough", "--run-dir", run_dir,
+                  "--", "--devices", "1", "--num-nodes", "1", "--epochs", "2", "--root", tmp_path / "ld",
+                  "--pause-file", pause, "--lightning-requeue")
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    # Run 1 waits after epoch 0, Lightning's handler in place; its limit is then lowered to 1 minute,
+    # so the time limit's signal comes at the controller's next check, and Lightning requeues.
+    _wait_for("run 1 never ended epoch 0", lambda: "epoch 0 ended at step 28" in _log(run_dir), 240)
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=1", check=True)
+    _wait_for("Lightning never requeued the job", lambda: slurm.restarts(job) >= 1, 120)
+    # Run 2's own limit, raised once slurmdbd keeps run 1 apart (an update before that lands on
+    # run 1's row), before run 2 starts (the controller holds a requeued job a few seconds).
+    _wait_for("sacct never listed run 2", lambda: len(slurm.sacct(job)) >= 2, 60)
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=5", check=True)
+    pause.unlink()                                   # run 2 trains to the end
+    assert slurm.wait_done(job, 300) == "COMPLETED"
+    runs = slurm.sacct(job)
+    assert slurm.restarts(job) == 1 and [x["State"] for x in runs] == ["REQUEUED", "COMPLETED"], runs
+    log = _log(run_dir)
+    assert "SLURM auto-requeueing enabled" in log and "Handling auto-requeue signal" in log, log[-3000:]
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    assert rec["counts"] == {"preemption": 0, "timeout": 1, "failure": 0}, rec
+    assert [(e["key"], e["by"]) for e in rec["events"]] == [(f"{job}:0", "outside")], rec
+    st = slurm.cli("status", run_dir)
+    assert "(timeout 1 of them requeued outside hpc_train)" in st.stdout, st.stdout + st.stderr
