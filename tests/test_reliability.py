@@ -296,3 +296,32 @@ def test_a_full_disk_is_named_in_the_files_torch_writes(small_disk, tmp_path):
     p = hpc("ckpt", "export", tmp_path / "run", out)
     one_line_exit2(p, str(out), "No space left on device")
     assert list(full.iterdir()) == [], list(full.iterdir())             # no partial model.pt.tmp
+
+
+def test_a_lost_peer_on_another_node_is_named_at_once_by_the_address_gloo_reports(tmp_path):
+    """Issue 30 (8): a rank whose peer vanished names it and leaves at once, not after the peer's
+    heartbeat goes stale (that wait was most of the 4 s from a kill to the step's end). Rank 1's
+    record, as it began on another node, holds that node's address; gloo's error names it."""
+    from hpc_train.node import watchdog
+    from hpc_train.records import ranks
+    from hpc_train.records.ranks import StepId
+    step = StepId.from_env()
+    beat = ranks.path(tmp_path, 1)
+    beat.parent.mkdir(parents=True)
+    rec = {"rank": 1, "host": "elsewhere", "node": "node2", "pid": 4242, "job": step.job, "restart": step.restart,
+           "attempt": step.attempt, "launch": step.launch, "world_size": 2, "started": time.time(),
+           "addr": "10.99.0.12"}
+    beat.write_text(json.dumps(rec))
+    error = ("RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [10.99.0.12]:40595: "
+             "Connection reset by peer")
+    t0 = time.monotonic()
+    line = watchdog.lost_peer_line(error, tmp_path, 2, 0)
+    assert time.monotonic() - t0 < 0.5, "waited for a heartbeat to go stale"
+    assert line.startswith("lost a peer: rank 1 (pid 4242 on node2) dropped its connection (RuntimeError"), line
+    # An address no record holds names nobody, after at most the short wait for a local reaping.
+    t0 = time.monotonic()
+    other = watchdog.lost_peer_line(error.replace("10.99.0.12", "10.99.0.13"), tmp_path, 2, 0)
+    assert time.monotonic() - t0 < 2 and other.startswith("lost a peer: a peer left (no record names it yet)"), other
+    assert ranks.read(tmp_path, 1)[0].addr == "10.99.0.12"
+    ranks.begin(tmp_path, 0, 2)
+    assert ranks.read(tmp_path, 0)[0].addr == ranks.host_address()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -110,31 +111,54 @@ def peer_left_for_stop(run_dir: Path, world_size: int, rank: int) -> bool:
                for r in range(world_size) if r != rank)
 
 
-def lost_peer(run_dir: Path, world_size: int, rank: int, wait_s: float = 3 * BEAT_S) -> str | None:
-    """Which peer this rank lost, for the one line that reports a failed collective: a peer of
-    this launch whose process is gone (on this host), or whose heartbeat stopped (elsewhere);
-    waits up to ``wait_s`` for a dead peer's heartbeat to go stale. None when none is found."""
+_PEER_ADDR = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")   # gloo: "Read error [10.0.0.2]:40595: ..."
+
+
+def lost_peer(run_dir: Path, world_size: int, rank: int, error: str = "", wait_s: float = 1.0) -> str | None:
+    """Which peer this rank lost, for the one line that reports a failed collective, named at
+    once: a peer of this launch whose process is gone (on this host), the peer at the address the
+    transport's error names (elsewhere), or one whose heartbeat is already stale. Never waits for
+    a heartbeat to go stale: the step must end at once (the requeue hook names the culprit from
+    every rank's record anyway). Waits at most ``wait_s`` for a dead local process to be reaped.
+    None when none is found."""
     deadline = time.time() + wait_s
+    me = socket.gethostname()
+    addrs = set(_PEER_ADDR.findall(error))
     while True:
         now = time.time()
-        for r in range(world_size):
-            h = _of_this_launch(run_dir, r)
-            if r == rank or h is None or h.said_its_end:
-                continue
-            if h.host == socket.gethostname() and h.pid is not None:
-                try:
-                    os.kill(h.pid, 0)
-                except ProcessLookupError:
-                    return f"rank {r} (pid {h.pid} on {h.node}) exited"
-                except OSError:
-                    pass
-                continue
-            age = ranks.age(run_dir, r, now)
+        recs = {r: h for r in range(world_size) if r != rank and (h := _of_this_launch(run_dir, r)) is not None
+                and not h.said_its_end}
+        for r, h in recs.items():
+            if h.host == me and h.pid is not None and _gone(h.pid):
+                return f"rank {r} (pid {h.pid} on {h.node}) exited"
+        there = sorted(r for r, h in recs.items() if h.host != me and h.addr and h.addr in addrs)
+        if len(there) == 1:
+            h = recs[there[0]]
+            return f"rank {there[0]} (pid {h.pid} on {h.node}) dropped its connection"
+        if there:
+            return f"a rank on {recs[there[0]].node} (ranks {', '.join(map(str, there))}) dropped its connection"
+        for r, h in recs.items():
+            age = ranks.age(run_dir, r, now) if h.host != me else None
             if age is not None and age > 2 * BEAT_S + 1:
                 return f"rank {r} (pid {h.pid} on {h.node}) stopped beating {age:.0f}s ago"
         if now >= deadline:
             return None
-        time.sleep(0.2)
+        time.sleep(0.1)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited: no such process, or a zombie its parent has not reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def lost_peer_line(error: str, run_dir: Path, world_size: int, rank: int) -> str:
@@ -142,8 +166,8 @@ def lost_peer_line(error: str, run_dir: Path, world_size: int, rank: int) -> str
     transport's own first line about it (gloo's "Connection reset by peer", a store timeout)."""
     from hpc_train.errors import says_peer_lost
     first = next((ln.strip() for ln in error.splitlines() if says_peer_lost(ln)), error.strip())
-    who = lost_peer(run_dir, world_size, rank)
-    return f"lost a peer: {who or 'a peer left (not named by its heartbeat)'} ({first[:300]})"
+    who = lost_peer(run_dir, world_size, rank, error)
+    return f"lost a peer: {who or 'a peer left (no record names it yet)'} ({first[:300]})"
 
 
 def enable_stack_dumps(log_path: Path) -> None:

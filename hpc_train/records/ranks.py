@@ -78,6 +78,7 @@ class RankRecord:
     started: float | None
     ended: str | None = None  # finished | stopped | returned
     left: str | None = None   # "stop": left code a stop ended
+    addr: str = ""            # the host's address, as a peer's transport names it in an error
 
     @property
     def said_its_end(self) -> bool:
@@ -99,7 +100,8 @@ def _parse(raw: dict, rank: int) -> RankRecord:
     host = fields.text(raw, "host", "unknown host")
     return RankRecord(rank, fields.text(raw, "node", host), host, fields.opt_count(raw, "pid"), fields.text(raw, "job", ""),
                       fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0), fields.text(raw, "launch", ""),
-                      fields.opt_count(raw, "world_size", lo=1), fields.opt_number(raw, "started"), ended, left)
+                      fields.opt_count(raw, "world_size", lo=1), fields.opt_number(raw, "started"), ended, left,
+                      fields.text(raw, "addr", ""))
 
 
 def read(run_dir: Path, rank: int) -> tuple[RankRecord | None, str | None]:
@@ -129,6 +131,14 @@ def node_name(env: Mapping[str, str] | None = None) -> str:
     return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def host_address() -> str:
+    """This host's address as its peers see it ("" when it does not resolve)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
+
+
 def begin(run_dir: Path, rank: int, world_size: int | None) -> Path:
     """This rank starts: its record for this step (any earlier one is replaced)."""
     step = StepId.from_env()
@@ -136,7 +146,7 @@ def begin(run_dir: Path, rank: int, world_size: int | None) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     io.write_json(p, {"rank": rank, "host": socket.gethostname(), "node": node_name(), "pid": os.getpid(),
                           "job": step.job, "restart": step.restart, "attempt": step.attempt, "launch": step.launch,
-                          "world_size": world_size, "started": time.time()})
+                          "world_size": world_size, "started": time.time(), "addr": host_address()})
     return p
 
 
