@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,8 @@ from typing import Any
 import yaml
 
 from hpc_train import rundir
+from hpc_train.config_rules import (OPT_LEVELS, STRATEGIES, check_launch, hang_timeout,  # noqa: F401 (re-exported)
+                                    resolve_precision, time_minutes)
 from hpc_train.config_yaml import IMPORT_RE, coerce, parse_value, read_file
 from hpc_train.errors import UsageError, closest, show
 from hpc_train.rundir import write_atomic
@@ -94,6 +95,11 @@ class DistSection:
     init_timeout_s: float = _f(300.0, min=1, max=_WEEK)   # rendezvous and first collective
     timeout_s: float = _f(600.0, min=1, max=_WEEK)        # every later collective (a dead rank fails the job)
     threads_per_rank: int = _f(1, min=0)         # OMP_NUM_THREADS per rank, unless set; 0 = torch's default
+    # A loop stepping through Run is hung when no step ended for 10 x its recent p99 step time, at
+    # least hang_floor_s ("auto"; 0: 20 s, or half of timeout_s if less), or for this many seconds
+    # (a number); see hpc_train/node/hang.py.
+    hang_timeout_s: str = _f("auto")
+    hang_floor_s: float = _f(0.0, min=0, max=_WEEK)
 
 
 @dataclass
@@ -311,53 +317,6 @@ def load(path: str | Path | None, overrides: list[str] = (), extra: dict[str, An
     return validate(cfg)
 
 
-# Torch-free rules of the config that the CLI checks before any worker starts.
-_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
-OPT_LEVELS = {"O0": "fp32", "O1": "fp16", "O2": "fp16"}   # Apex's names (hpc_train.node.precision)
-STRATEGIES = ("ddp", "fsdp", "dp", "allreduce", "split", "none")   # hpc_train.node.strategies
-
-
-def time_minutes(spec: str) -> int:
-    """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in whole minutes."""
-    m = _TIME_RE.match(spec.strip())
-    if not m or spec.strip().upper() in ("", "UNLIMITED"):
-        raise UsageError(f"job.time: {spec!r} is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS "
-                         f"(e.g. 30, 01:30:00, 2-00:00:00)")
-    days, a, b, c = m.groups()
-    if days is not None:            # D-HH[:MM[:SS]]
-        secs = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
-    elif c is not None:             # HH:MM:SS
-        secs = int(a) * 3600 + int(b) * 60 + int(c)
-    elif b is not None:             # MM:SS
-        secs = int(a) * 60 + int(b)
-    else:                           # MM
-        secs = int(a) * 60
-    if secs <= 0:
-        raise UsageError(f"job.time: {spec!r} is zero; give a positive time limit")
-    return max(1, math.ceil(secs / 60))
-
-
-def resolve_precision(precision: str, opt_level: str) -> str:
-    """The precision ``train.precision`` and ``train.opt_level`` name together (torch-free)."""
-    if opt_level == "none":
-        return precision
-    mapped = OPT_LEVELS[opt_level]
-    if precision != "fp32" and precision != mapped:
-        raise UsageError(f"config: train.opt_level={opt_level} means train.precision={mapped}, but "
-                         f"train.precision={precision} is set too; set only one of them")
-    return mapped
-
-
-def check_launch(strategy: str, procs_per_node: int) -> None:
-    """Refuse what cannot run before any worker starts (torch-free)."""
-    if strategy == "dp" and procs_per_node > 1:
-        raise UsageError(
-            f"config: dist.strategy=dp runs one process per node that drives all its GPUs, but {procs_per_node} "
-            f"processes per node were asked for; use dist.strategy=ddp (one process per GPU: no GIL contention, "
-            f"no per-step scatter/gather through GPU 0, gradients reduced while backward runs), or one process "
-            f"per node (--nproc 1, job.tasks_per_node=1)")
-
-
 def validate(cfg: Config) -> Config:
     """Rules that span fields."""
     if cfg.train.epochs == 0 and cfg.train.max_steps == 0:
@@ -376,6 +335,7 @@ def validate(cfg: Config) -> Config:
         raise UsageError("config: dist.strategy=fsdp with train.precision=fp16 is refused: the GradScaler's "
                          "overflow check sees only this rank's gradient shards, so ranks could disagree on "
                          "skipping a step; use train.precision=bf16 with fsdp")
+    hang_timeout(cfg.dist.hang_timeout_s, cfg.dist.timeout_s, cfg.dist.hang_floor_s)
     if cfg.train.fn and not IMPORT_RE.match(cfg.train.fn):
         raise UsageError(f"config: train.fn must be an import path 'package.module:function', got {cfg.train.fn!r}")
     return cfg

@@ -156,8 +156,7 @@ def _one_line_failures(run: Run) -> None:
             return
         import traceback
         try:   # the traceback, for a bug report, where the worker keeps its own
-            rundir.write_atomic(rundir.rank_error(run.run_dir, run.rank),
-                                f"{line}\n\n{''.join(traceback.format_exception(kind, value, tb))}")
+            watchdog.write_error(run.run_dir, run.rank, f"{line}\n\n{''.join(traceback.format_exception(kind, value, tb))}")
         except OSError:
             pass
         from hpc_train.records.ranks import node_name

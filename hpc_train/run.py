@@ -70,7 +70,8 @@ class Run:
         self._replicated: nn.Module | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._ckpt = None
-        self._monitor = None
+        from hpc_train.node.report import Reporter
+        self._report = Reporter(cfg, self.run_dir, self.is_main)
         self._start_step = 0
         self._resumed_from: int | None = None   # see Checkpointer.resumed_from; None: no restore
         self._last_state: Mapping[str, Any] | None = None
@@ -83,13 +84,19 @@ class Run:
         self.stop_step: int | None = None
         self._result: dict[str, Any] = {}
         self._prev_step: int | None = None   # the step the last step_end saw
-        self._ledger_obj = None   # rank 0's goodput ledger (see hpc_train.goodput), built at first use
         self._session = session   # the run directory's side of the lifecycle (hpc_train.node.session)
         self._owns_group = owns_group   # this Run's lifecycle set up the process group: close() ends it
         self._leave_group = False   # the process ends through os._exit: close() leaves the group to it
         self._closed = False
+        from hpc_train.node import hang
+        self._progress, self._hang_watch = hang.watch(cfg.dist, env, self.run_dir, start=session is not None)
 
     # -- what the loop asks ----------------------------------------------------------------
+    def long_phase(self, name: str = "evaluation") -> contextlib.AbstractContextManager:
+        """``with run.long_phase("evaluation"):`` code between steps that takes much longer than
+        a step, so the hang watch gives it the long limit (see :mod:`hpc_train.node.hang`)."""
+        return self._progress.marked(name)
+
     @property
     def stop_requested(self) -> bool:
         """This process was asked to stop (the agreed decision is what step_end returns)."""
@@ -183,6 +190,7 @@ class Run:
         kinds = self._kinds(state)
         self.stop.listening = True   # code that restores will call step_end: a stop waits for it
         t_load = time.time()
+        before = self._progress.enter("restore")
         goodput.mark("restore")
         source = restore_mod.restore(state, self.run_dir, rank=self.rank, world_size=self.world_size,
                                      device=self.device, multi=self._multi, kinds=kinds,
@@ -190,8 +198,9 @@ class Run:
                                      requeued=self.env.restart_count > 0,
                                      launched=self._session is not None and self._session.launched)
         self._start_step = state["step"] if source is not None else 0
+        self._progress.leave(before)
         goodput.resume_gc()   # start-up ends here (a worker turned the collector off for it)
-        ledger = self._ledger()
+        ledger = self._report.ledger()
         if ledger is not None:
             ledger.restored(self._start_step, time.time() - t_load if source is not None else 0.0)
         own = source is not None and source.path.parent.resolve() == store.ckpt_root(self.run_dir).resolve()
@@ -236,13 +245,14 @@ class Run:
                              + "; it counts the optimizer steps done and only goes up (state['step'] += 1 per step)")
         self.stop.listening = True
         sums = self._agreement.collect(self.device)
+        self._progress.stepped(step)
         stop, timed = bool(sums[0] > 0), bool(sums[1] > 0)
         self.step_sums = sums[2:].tolist()
         self._last_state, self._prev_step = state, step
         if not all(math.isfinite(v) for v in self.step_sums):
             # Every rank sees the same sums, so every rank raises here, before any save.
             self._diverged(step, f"the values summed with the step are {self.step_sums} (the loss first)")
-        ledger = self._ledger()
+        ledger = self._report.ledger()
         if ledger is not None:
             ledger.step(step)
         ckpt = self._checkpointer()
@@ -250,29 +260,17 @@ class Run:
             if self.is_main:
                 ckpt.poll()
             if ckpt.due(step, force=stop, timed=timed):
+                before = self._progress.enter("checkpoint save")
                 t0 = time.perf_counter()
                 self.sync_buffers()
                 self._check_weights(state, kinds, step)
                 ckpt.save(state, step, blocking=stop, kinds=kinds)
                 if ledger is not None:
-                    self._saved(ledger, step, time.perf_counter() - t0)
+                    self._report.saved(ledger, step, time.perf_counter() - t0)
+                self._progress.leave(before)
         if stop:
             self._on_stop(step)
         return stop
-
-    def _ledger(self):
-        """Rank 0's goodput ledger; None on other ranks (see :mod:`hpc_train.goodput`)."""
-        if self._ledger_obj is None and self.is_main:
-            from hpc_train.goodput import Ledger
-            self._ledger_obj = Ledger(self.run_dir)
-        return self._ledger_obj
-
-    def _saved(self, ledger, step: int, blocked_s: float) -> None:
-        ledger.saved(blocked_s)
-        if self._monitor is not None and self.config.log.tensorboard:
-            share = ledger.training_share()
-            if share is not None:
-                self._monitor.scalar("goodput/training", share, step)
 
     def _diverged(self, step: int, what: str) -> None:
         last = self._ckpt.last_step if self._ckpt is not None and self._ckpt.last_step >= 0 else None
@@ -289,22 +287,13 @@ class Run:
         self.stopped, self.stop_step = True, step
         if self._ckpt is not None:
             self._ckpt.close()
-        if self._monitor is not None:   # the loop may still log this step; closed at exit
-            self._monitor.flush()
+        self._report.flush()     # the loop may still log this step; closed at exit
         saved = self._ckpt is not None
         record_stop(self.config.job, self.env, self.run_dir, self.stop, step=step, checkpoint=saved)
         if self.is_main:
             log.info("%s by %s at step %d", "checkpoint saved" if saved else "stopped", self.stop.name, step)
 
     # -- reporting ---------------------------------------------------------------------------
-    def _mon(self):
-        if self._monitor is None:
-            from hpc_train.node.monitor import Monitor
-            c = self.config
-            self._monitor = Monitor(self.run_dir, self.total_steps, self._start_step, enabled=self.is_main,
-                                    tensorboard=c.log.tensorboard, progress=c.log.progress)
-        return self._monitor
-
     def log(self, step: int, *, epoch: int | None = None, console: bool | None = None, **scalars: float) -> None:
         """Rank 0: ``metrics.jsonl`` (with ``step``), TensorBoard, and a console line every
         ``train.log_every`` steps. Other ranks: nothing. Keys ``eval_*`` go to TensorBoard's
@@ -313,17 +302,13 @@ class Run:
             return
         if console is None:
             console = step % self.config.train.log_every == 0
-        self._mon().record(step, scalars, epoch=epoch, console=console)
+        self._report.record(step, scalars, self.total_steps, self._start_step, epoch=epoch, console=console)
 
     def _close(self) -> None:
         """Wait for saves, close the reporters and the loaders' worker processes."""
         if self._ckpt is not None:
             self._ckpt.close()
-        if self._ledger_obj is not None:
-            self._ledger_obj.close()
-        if self._monitor is not None:
-            self._monitor.close()
-            self._monitor = None
+        self._report.close()
         if self._last_state is not None:
             for v in self._last_state.values():
                 if getattr(v, "hpc_train_per_rank", False) and hasattr(v, "close"):
@@ -340,6 +325,8 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        if self._hang_watch is not None:
+            self._hang_watch.stop()
         try:
             self._close()
         except BaseException:   # noqa: BLE001 - after a failure, a pending save's error must not hide it

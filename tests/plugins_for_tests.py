@@ -498,3 +498,52 @@ def threads_report(cfg, env, device):
     Path(cfg.resolved_run_dir(), f"threads-rank{env.rank}.json").write_text(
         json.dumps({"omp": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads()}))
     return {}
+
+
+class SlowSave:
+    """A user's state object whose ``state_dict()`` takes ``HPC_TEST_SLOW_SAVE_S`` seconds: a slow
+    checkpoint save (rank 0 calls it inside every save)."""
+
+    def state_dict(self) -> dict:
+        time.sleep(float(os.environ.get("HPC_TEST_SLOW_SAVE_S", "0")))
+        return {"slow": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def uneven_steps():
+    """A loop on the public API whose steps are not all alike (issue 32's false alarms): ~10 ms
+    steps; every 100th a 20x longer one (an evaluation nobody marked); a slow save
+    (:class:`SlowSave`); after a restore, a first step of ``HPC_TEST_FIRST_STEP_S``; at step
+    ``HPC_TEST_UNMARKED_AT`` an unmarked pause of ``HPC_TEST_PAUSE_S``, and at
+    ``HPC_TEST_MARKED_AT`` the same pause inside ``run.long_phase()``."""
+    import torch
+
+    import hpc_train
+    run = hpc_train.init()
+    torch.manual_seed(0)
+    model = run.wrap(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model, "optim": opt, "slow": SlowSave(), "step": 0}
+    resumed = run.restore(state) > 0
+    knob = {k: int(os.environ.get(f"HPC_TEST_{k}", "-1")) for k in ("UNMARKED_AT", "MARKED_AT")}
+    pause = float(os.environ.get("HPC_TEST_PAUSE_S", "0"))
+    while state["step"] < run.config.train.max_steps:
+        if resumed:
+            time.sleep(float(os.environ.get("HPC_TEST_FIRST_STEP_S", "0")))
+            resumed = False
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.2 if state["step"] % 100 == 99 else 0.01)
+        state["step"] += 1
+        if state["step"] == knob["UNMARKED_AT"]:
+            time.sleep(pause)
+        if state["step"] == knob["MARKED_AT"]:
+            with run.long_phase("evaluation"):
+                time.sleep(pause)
+        if run.step_end(state):
+            return {"stopped": state["step"]}
+    return run.finish({"steps": state["step"]})

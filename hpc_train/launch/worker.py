@@ -75,8 +75,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
         # the line, then the traceback for a bug report.
         try:
             (rd / rundir.LOGS).mkdir(parents=True, exist_ok=True)
-            rundir.write_atomic(rundir.rank_error(rd, env.rank), f"{line or f'{type(e).__name__}: {e}'}\n\n"
-                                                                 f"{traceback.format_exc()}")
+            watchdog.write_error(rd, env.rank, f"{line or f'{type(e).__name__}: {e}'}\n\n{traceback.format_exc()}")
         except OSError:
             pass    # the disk that failed may be this one; the console line below still says it
         if line is not None:

@@ -178,6 +178,27 @@ def enable_stack_dumps(log_path: Path) -> None:
     faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True, chain=False)
 
 
+_PROCESS_START = time.time()
+
+
+def write_error(run_dir: Path, rank: int, text: str) -> None:
+    """This rank's error file (``logs/rank-R.error``), unless the local launcher already named
+    this rank frozen in it since this process started: that is why the rank failed, and what it
+    did once continued (a peer gone, its collective failed) is only a consequence."""
+    p = rundir.rank_error(run_dir, rank)
+    try:
+        if p.stat().st_mtime >= _PROCESS_START and p.read_text(errors="replace").startswith("WatchdogError:"):
+            return
+    except OSError:
+        pass
+    rundir.write_atomic(p, text)
+
+
+def dump_file():
+    """The file this process's stack dumps go to (its log), once :func:`enable_stack_dumps` ran."""
+    return _dump_file
+
+
 def ask_for_stack(pid: int) -> None:
     """Have process ``pid`` write its Python stacks (see :func:`enable_stack_dumps`), sent to its
     main thread (tgkill; the main thread's id is the pid). A signal sent to the process goes to

@@ -231,7 +231,8 @@ class Trainer:
 
     def _eval_and_log(self, epoch: int) -> None:
         p = self.progress
-        p.last_eval_loss, p.last_eval_acc = self.evaluate()
+        with self.run.long_phase("evaluation"):
+            p.last_eval_loss, p.last_eval_acc = self.evaluate()
         p.last_eval_step = self.state["step"]
         self.run.log(p.last_eval_step, epoch=epoch, console=True, eval_loss=p.last_eval_loss,
                      eval_acc=p.last_eval_acc)
