@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("tensorboard", "metrics", "heartbeat", "rank logs", "checkpoints", "other")
+KINDS = ("tensorboard", "metrics", "heartbeat", "rank 0 log", "rank logs", "checkpoints", "other")
 SETTLE_S = 2.0      # after the first metrics line: imports, the first step's set-up
 END_MARGIN_S = 0.5  # before the final save
 
@@ -49,6 +49,8 @@ def kind(path: str, run_dir: str) -> str:
         return "metrics"
     if rel.startswith("logs/.heartbeat"):
         return "heartbeat"
+    if rel == "logs/rank-0.log":     # the console's progress lines too: it does not grow with the ranks
+        return "rank 0 log"
     if rel.startswith("logs/"):
         return "rank logs"
     if rel.startswith("checkpoints"):
