@@ -260,7 +260,11 @@ def read_text(path: Path) -> tuple[str | None, str | None]:
             size = os.fstat(f.fileno()).st_size
             if size > _MAX_RECORD:
                 return None, f"is {size} bytes, too large for a record"
-            raw = f.read(_MAX_RECORD + 1)
+            # Read what fstat saw, and more only if it grew since: a read of _MAX_RECORD bytes
+            # allocates that much each time (0.1 ms a record, 0.45 s over 4096 ranks' records).
+            raw = f.read(size + 1)
+            if len(raw) > size:
+                raw += f.read(_MAX_RECORD + 1 - len(raw))
     except OSError as e:
         return None, f"cannot be read ({e.strerror or type(e).__name__})"
     return raw.decode("utf-8", errors="replace"), None

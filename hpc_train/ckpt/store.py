@@ -178,21 +178,28 @@ def modules(record: dict[str, Any]) -> list[str]:
     return sorted(k for k, kind in kinds.items() if kind == "module")
 
 
-def scan(run_dir: Path) -> list[CkptInfo]:
-    """Every step directory, newest first."""
+def _step_dirs(run_dir: Path) -> list[Path]:
+    """Every step directory, newest first, not yet inspected."""
     root = ckpt_root(run_dir)
     if not root.is_dir():
         return []
-    infos = [inspect(p) for p in root.iterdir() if p.is_dir() and _STEP_RE.match(p.name)]
-    return sorted(infos, key=lambda i: i.step, reverse=True)
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, key=lambda sp: sp[0], reverse=True)]
+
+
+def scan(run_dir: Path) -> list[CkptInfo]:
+    """Every step directory, newest first."""
+    return [inspect(p) for p in _step_dirs(run_dir)]
 
 
 def newest_complete(run_dir: Path, warn=None, verify: bool = False, below: int | None = None) -> CkptInfo | None:
     """The newest complete checkpoint (with ``verify``: whose checksums also match) with a step
-    under ``below`` if given; warns about each newer one it passes over."""
-    for info in scan(run_dir):
-        if below is not None and info.step >= below:
+    under ``below`` if given; warns about each newer one it passes over. Inspects newest first and
+    stops at the one it returns: an inspection stats every file (two per rank)."""
+    for p in _step_dirs(run_dir):
+        if below is not None and int(_STEP_RE.match(p.name).group(1)) >= below:
             continue
+        info = inspect(p)
         problem = verify_checksums(info) if verify else info.problem
         if problem is None:
             return info

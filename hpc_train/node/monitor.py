@@ -5,13 +5,20 @@ logs to the console, draws the progress (a bar on a terminal, plain lines in a b
 where a bar's carriage returns would make a mess), and writes TensorBoard scalars and
 ``metrics.jsonl``. After a resume, records past the resumed step are dropped from both, so
 curves continue without doubled segments.
+
+Both files are opened once and written through buffers, flushed on a clock by a thread of
+the monitor's (every :data:`FLUSH_S`), at once for the first step and an evaluation, and at a
+stop and at close: in steady state they cost a shared file system's metadata server nothing
+(issue 32), and a crash loses at most the last :data:`FLUSH_S` of records.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,11 +29,16 @@ from hpc_train.logs import truncate_jsonl
 
 log = logging.getLogger("hpc_train")
 
-# metrics.jsonl is flushed at most this often (from the logging call: no thread of its own), so
-# that `status` on a running run shows a last step at most about this old plus a step's time. A
-# loop that goes quiet (a long eval with nothing logged) leaves its last lines in the buffer
-# until it logs again or closes; every write of its own would cost a syscall per step.
+# metrics.jsonl and the TensorBoard events are flushed this often, by a thread, so that `status` on
+# a running run shows a last step at most about this old, and a crash (kill -9, the watchdog's
+# os._exit) loses at most this much; a write of each record would cost a syscall per scalar.
 FLUSH_S = 5.0
+
+# Held by the flush thread while it flushes, and by a fork (data-loader workers fork the training
+# process): a child is never made while that thread is inside a write holding a buffer's lock.
+_flush_lock = threading.Lock()
+os.register_at_fork(before=_flush_lock.acquire, after_in_parent=_flush_lock.release,
+                    after_in_child=_flush_lock.release)
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -46,14 +58,15 @@ class Monitor:
         self.t0 = time.perf_counter()
         self._bar = None
         self._tb = None
+        self._closing = threading.Event()
         if not enabled:
             return
         self.metrics_path = run_dir / rundir.METRICS
         truncate_jsonl(self.metrics_path, start_step)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from hpc_train.node.tb_events import EventFile
             # purge_step drops events at or after the resume step: no doubled segments.
-            self._tb = SummaryWriter(str(run_dir / rundir.TB), purge_step=start_step + 1 if start_step else None)
+            self._tb = EventFile(run_dir / rundir.TB, purge_step=start_step + 1 if start_step else None)
         mode = progress if progress != "auto" else ("bar" if sys.stderr.isatty() else "lines")
         if mode == "bar":
             from tqdm import tqdm
@@ -61,7 +74,13 @@ class Monitor:
         self.mode = mode
         from hpc_train.rundir import open_append
         self._f = open_append(self.metrics_path)   # never through a symlink planted there
-        self._flushed = float("-inf")    # the first step is on disk at once
+        self._first = True               # the first step is on disk at once
+        self._flusher = threading.Thread(target=self._flush_on_clock, name="hpc_train-metrics", daemon=True)
+        self._flusher.start()
+
+    def _flush_on_clock(self) -> None:
+        while not self._closing.wait(FLUSH_S):
+            self.flush()
 
     def record(self, step: int, scalars: dict[str, float], *, epoch: int | None = None,
                console: bool = False) -> None:
@@ -69,11 +88,13 @@ class Monitor:
         if not self.enabled:
             return
         scalars = {k: _number("run.log", k, v) for k, v in scalars.items()}
-        rec = {"step": step, **({"epoch": epoch} if epoch is not None else {}), "time": time.time(), **scalars}
-        self._f.write(json.dumps(rec) + "\n")
-        if self._tb is not None:
-            for k, v in scalars.items():
-                self._tb.add_scalar(_tb_tag(k), v, step)
+        now = time.time()
+        rec = {"step": step, **({"epoch": epoch} if epoch is not None else {}), "time": now, **scalars}
+        with _flush_lock:
+            self._f.write(json.dumps(rec) + "\n")
+            if self._tb is not None:
+                for k, v in scalars.items():
+                    self._tb.scalar(_tb_tag(k), v, step, now)
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in scalars.items() if k != "lr"})
@@ -85,30 +106,38 @@ class Monitor:
             eta = f" ETA {_fmt_eta((time.perf_counter() - self.t0) / max(done, 1) * (self.total - step))}" \
                 if self.total else ""
             log.info("%s %s%s", where, " ".join(f"{k} {_fmt(k, v)}" for k, v in scalars.items()), eta)
-        now = time.monotonic()
-        if now - self._flushed >= FLUSH_S or any(k.startswith("eval_") for k in scalars):
-            self._f.flush()
-            self._flushed = now
+        if self._first or any(k.startswith("eval_") for k in scalars):
+            self._first = False
+            self.flush()
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """One TensorBoard scalar outside the step's metrics (the goodput, at each save)."""
         if self._tb is not None:
-            self._tb.add_scalar(tag, value, step)
+            with _flush_lock:
+                self._tb.scalar(tag, value, step)
 
     def flush(self) -> None:
-        if self.enabled:
+        """Both files to the kernel (no fsync: a crash of the process loses nothing flushed)."""
+        if not self.enabled:
+            return
+        with _flush_lock:
+            if self._f.closed:
+                return
             self._f.flush()
             if self._tb is not None:
                 self._tb.flush()
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self._closing.is_set():
             return
+        self._closing.set()
+        self._flusher.join()
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
-        self._f.close()
+        with _flush_lock:
+            if self._tb is not None:
+                self._tb.close()
+            self._f.close()
 
 
 def _tb_tag(key: str) -> str:
