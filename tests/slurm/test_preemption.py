@@ -260,22 +260,25 @@ def _assert_recovered_in_place(slurm, job: str, run_dir: Path, steps: int, resta
 
 
 def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_path):
-    """A rank that stops responding on another node (SIGSTOP, a real frozen process): rank 0's
-    watchdog names it, its stack reaches its log through Slurm, the step ends within
-    dist.timeout_s + 60 s, and a new step in the same allocation resumes and completes."""
+    """A rank that stops responding on another node (SIGSTOP, a real frozen process), with the
+    default dist.timeout_s (600 s) and the floor lowered to 5 s (tests/test_reliability.py runs the
+    default floor): rank 0's hang watch (issue 32) names it from its own stalled step and the
+    silent heartbeat, not after half of dist.timeout_s; the frozen
+    rank's stack reaches its log through Slurm, and a new step in the same allocation resumes and
+    completes."""
     run_dir = tmp_path / "job"
-    timeout_s = 15
-    job, pid = _two_node_job_at(slurm, run_dir, 900, timeout_s, 300)
+    job, pid = _two_node_job_at(slurm, run_dir, 900, 600, 300, "--set", "dist.hang_floor_s=5")
     os.kill(pid, signal.SIGSTOP)
     try:
-        took = _restarted_in_place_after(run_dir, time.time(), timeout_s + 60)
+        took = _restarted_in_place_after(run_dir, time.time(), 30)
     finally:
         if Path(f"/proc/{pid}").exists():
             os.kill(pid, signal.SIGCONT)
     print(f"SIGSTOP of rank 1 on Slurm: the step ended and restarted in place {took:.1f} s later")
-    assert took < timeout_s + 60, f"the step kept running {took:.0f}s after a rank froze"   # a hang bound
+    assert took < 30, f"the step kept running {took:.0f}s after a rank froze"   # a hang bound
     log0 = _assert_recovered_in_place(slurm, job, run_dir, 900)
-    assert f"rank 1 (pid {pid} on " in log0 and "stopped responding" in log0, log0[-3000:]
+    assert re.search(rf"rank 1 \(pid {pid} on \S+\) hung: no heartbeat for \d+s while rank 0 waited \d+s in "
+                     r"step \d+ \(limit 5s", log0), log0[-3000:]
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
     assert "most recent call first" in log1, log1[-3000:]   # faulthandler's dump, asked for through scancel
 
