@@ -165,3 +165,21 @@ def test_a_script_path_with_a_newline_is_refused_in_one_line(tmp_path, cmd):
     line = one_line_exit2(p, "a\\nb.py")
     assert "single line" in line or "control characters" in line, line
     assert not rd.exists()
+
+
+@pytest.mark.parametrize("setting,named", [
+    ("dist.hang_timeout_s=0", "dist.hang_timeout_s='0'"),
+    ("dist.hang_timeout_s=-5", "dist.hang_timeout_s='-5'"),
+    ("dist.hang_timeout_s=soon", "dist.hang_timeout_s='soon'"),
+    ("dist.hang_timeout_s=nan", "dist.hang_timeout_s='nan'"),
+    ("dist.hang_timeout_s=9000", "(0, dist.timeout_s=600]"),
+    ("dist.hang_floor_s=700", "dist.hang_floor_s=700 is above dist.timeout_s=600"),
+    ("dist.hang_floor_s=-1", "dist.hang_floor_s"),
+])
+@pytest.mark.parametrize("cmd", ["run", "sbatch"])
+def test_bad_hang_limits_are_one_line_and_nothing_is_written(tmp_path, cmd, setting, named):
+    """Issue 32: a hang timeout <= 0 or not a number, or a floor above dist.timeout_s."""
+    rd = tmp_path / "run"
+    extra = ["--nproc", "1"] if cmd == "run" else ["-o", tmp_path / "job.sbatch"]
+    one_line_exit2(hpc(cmd, "jobs/digits.yaml", "--run-dir", rd, *extra, "--set", setting), named)
+    assert not rd.exists() and not (tmp_path / "job.sbatch").exists()
