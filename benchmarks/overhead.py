@@ -101,13 +101,15 @@ def run_hand_written(steps: int, workdir: Path) -> list[float]:
 
 
 # -- hpc_train ------------------------------------------------------------------------------------
-def run_hpc_train(steps: int, workdir: Path, checkpoints: bool, tag: str) -> list[float]:
+def run_hpc_train(steps: int, workdir: Path, checkpoints: bool, tag: str, stragglers: bool = True) -> list[float]:
     job = workdir / "bench.yaml"
     job.write_text("job:\n  name: overhead-bench\n")          # every other value: hpc_train's defaults
     run_dir = workdir / f"run-{tag}"
     sets = {"model.name": "convnet", "data.name": "synthetic", "data.batch_size": BATCH,
             "data.synthetic_size": steps * BATCH * WORLD, "train.max_steps": steps, "optim.lr": LR,
             "seed": SEED, "checkpoint.enabled": str(checkpoints).lower(), "log.progress": "lines"}
+    if not stragglers:
+        sets["dist.straggler_every_steps"] = 0    # the straggler gathering off (issue 31's comparison)
     if checkpoints:
         sets["checkpoint.every_steps"] = 10
         sets["checkpoint.every_seconds"] = 0      # exactly every 10 steps: no timed saves between them
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need 1 <= warmup < steps - 1")
 
     variants = {"hand": "hand-written DDP loop", "hpc": "hpc_train, checkpoints off",
-                "hpc_ckpt": "hpc_train, async checkpoint every 10 steps"}
+                "hpc_ckpt": "hpc_train, async checkpoint every 10 steps",
+                "hpc_nostrag": "hpc_train, checkpoints and stragglers off"}
     reps = Reps()
     print(f"ConvNet, synthetic 1x28x28, batch {BATCH}/rank x {WORLD} ranks (gloo, 1 thread/rank), Adam; "
           f"{steps} steps per run, rate over steps {warmup + 1}-{steps}; {args.reps} interleaved repetitions",
@@ -163,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         if key == "hand":
             stamps = run_hand_written(steps, work)
         else:
-            stamps = run_hpc_train(steps, work, checkpoints=key == "hpc_ckpt", tag=f"{key}-{rep}")
+            stamps = run_hpc_train(steps, work, checkpoints=key == "hpc_ckpt", tag=f"{key}-{rep}",
+                                   stragglers=key != "hpc_nostrag")
         return steady_rate(stamps, warmup), typical_rate(stamps, warmup)
 
     with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as tmp:
@@ -198,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
           + f"with async checkpoints every 10 steps: {ratio(med['hpc_ckpt'], med['hand'])} "
           f"(hand-written {reps.basis('hand')}; hpc_train {reps.basis('hpc')}; with checkpoints "
           f"{reps.basis('hpc_ckpt')}). Total {time.time() - t0:.0f} s.")
+    rs = ratio(med["hpc"], med["hpc_nostrag"])
+    print(f"straggler detection on (every 50 steps, the default) / off: {rs}"
+          + (f" (target >= 0.99: {'met' if float(rs) >= 0.99 else 'NOT met'})" if rs != "n/a" else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"steps": steps, "warmup": warmup, "steady": tables[0],
                                                "median_step": tables[1],

@@ -100,6 +100,10 @@ class DistSection:
     # (a number); see hpc_train/node/hang.py.
     hang_timeout_s: str = _f("auto")
     hang_floor_s: float = _f(0.0, min=0, max=_WEEK)
+    # Every N steps the ranks' own step times are gathered; a rank this many times slower than the
+    # median is named (0: off); see hpc_train/node/straggler.py.
+    straggler_every_steps: int = _f(50, min=0)
+    straggler_ratio: float = _f(1.3, min=1, max=1000)
 
 
 @dataclass
@@ -336,6 +340,9 @@ def validate(cfg: Config) -> Config:
                          "overflow check sees only this rank's gradient shards, so ranks could disagree on "
                          "skipping a step; use train.precision=bf16 with fsdp")
     hang_timeout(cfg.dist.hang_timeout_s, cfg.dist.timeout_s, cfg.dist.hang_floor_s)
+    if cfg.dist.straggler_ratio <= 1:
+        raise UsageError(f"config: dist.straggler_ratio={cfg.dist.straggler_ratio:g} names every rank; valid: above 1 "
+                         f"(1.3: 30% slower than the median rank)")
     if cfg.train.fn and not IMPORT_RE.match(cfg.train.fn):
         raise UsageError(f"config: train.fn must be an import path 'package.module:function', got {cfg.train.fn!r}")
     return cfg

@@ -66,6 +66,10 @@ class Run:
         self.is_main: bool = env.rank == 0
         self._multi = dist.is_initialized() and env.world_size > 1
         self._agreement = Agreement(self._multi, self._flags)
+        from hpc_train.node.straggler import Stragglers
+        self._stragglers = Stragglers(cfg.dist.straggler_every_steps, cfg.dist.straggler_ratio, env.rank,
+                                      env.world_size, self._multi, self.run_dir)
+        self._agreement.on_last_bucket = self._stragglers.enter
         self._wrapped = None     # strategies.Wrapped, once wrap() ran
         self._replicated: nn.Module | None = None
         self._scaler: torch.amp.GradScaler | None = None
@@ -244,6 +248,7 @@ class Run:
                              + ("below 0" if step < 0 else f"below the previous step {prev}")
                              + "; it counts the optimizer steps done and only goes up (state['step'] += 1 per step)")
         self.stop.listening = True
+        self._stragglers.arrived()
         sums = self._agreement.collect(self.device)
         self._progress.stepped(step)
         stop, timed = bool(sums[0] > 0), bool(sums[1] > 0)
@@ -270,6 +275,9 @@ class Run:
                 self._progress.leave(before)
         if stop:
             self._on_stop(step)
+        spread = self._stragglers.left(step, self.device)
+        if spread is not None:
+            self._report.aside(step, spread, self.total_steps, self._start_step)
         return stop
 
     def _diverged(self, step: int, what: str) -> None:

@@ -175,10 +175,16 @@ def test_a_script_path_with_a_newline_is_refused_in_one_line(tmp_path, cmd):
     ("dist.hang_timeout_s=9000", "(0, dist.timeout_s=600]"),
     ("dist.hang_floor_s=700", "dist.hang_floor_s=700 is above dist.timeout_s=600"),
     ("dist.hang_floor_s=-1", "dist.hang_floor_s"),
+    ("dist.straggler_ratio=1", "dist.straggler_ratio=1 names every rank; valid: above 1"),
+    ("dist.straggler_ratio=0.5", "dist.straggler_ratio"),
+    ("dist.straggler_ratio=fast", "dist.straggler_ratio"),
+    ("dist.straggler_every_steps=-1", "dist.straggler_every_steps"),
+    ("dist.straggler_every_steps=ten", "dist.straggler_every_steps"),
 ])
 @pytest.mark.parametrize("cmd", ["run", "sbatch"])
-def test_bad_hang_limits_are_one_line_and_nothing_is_written(tmp_path, cmd, setting, named):
-    """Issue 32: a hang timeout <= 0 or not a number, or a floor above dist.timeout_s."""
+def test_bad_liveness_settings_are_one_line_and_nothing_is_written(tmp_path, cmd, setting, named):
+    """Issue 32: a hang timeout <= 0 or not a number, or a floor above dist.timeout_s; issue 31:
+    a straggler ratio <= 1 or not a number, a negative or non-numeric gathering period."""
     rd = tmp_path / "run"
     extra = ["--nproc", "1"] if cmd == "run" else ["-o", tmp_path / "job.sbatch"]
     one_line_exit2(hpc(cmd, "jobs/digits.yaml", "--run-dir", rd, *extra, "--set", setting), named)

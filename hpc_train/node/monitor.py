@@ -110,6 +110,18 @@ class Monitor:
             self._first = False
             self.flush()
 
+    def aside(self, step: int, scalars: dict[str, float]) -> None:
+        """A row of hpc_train's own (the ranks' step-time spread): ``metrics.jsonl`` and
+        TensorBoard, never the console line or the progress bar."""
+        if not self.enabled:
+            return
+        now = time.time()
+        with _flush_lock:
+            self._f.write(json.dumps({"step": step, "time": now, **scalars}) + "\n")
+            if self._tb is not None:
+                for k, v in scalars.items():
+                    self._tb.scalar(k.replace("_", "/", 1), v, step, now)
+
     def scalar(self, tag: str, value: float, step: int) -> None:
         """One TensorBoard scalar outside the step's metrics (the goodput, at each save)."""
         if self._tb is not None:

@@ -36,6 +36,9 @@ class Reporter:
                epoch: int | None, console: bool) -> None:
         self.monitor(total_steps, start_step).record(step, scalars, epoch=epoch, console=console)
 
+    def aside(self, step: int, scalars: dict[str, float], total_steps: int | None, start_step: int) -> None:
+        self.monitor(total_steps, start_step).aside(step, scalars)
+
     def saved(self, ledger, step: int, blocked_s: float) -> None:
         """A save blocked the loop ``blocked_s``: the ledger's, and TensorBoard's training share."""
         ledger.saved(blocked_s)

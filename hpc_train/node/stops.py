@@ -274,6 +274,7 @@ class Agreement:
         self._staged = None
         self._inflight = None   # (work, values) of the agreement reduced beside DDP's bucket 0
         self.hooked = False
+        self.on_last_bucket: Callable[[], None] | None = None   # the straggler watch's clock
 
     def attach(self, ddp_module) -> None:
         if self.multi and not self.hooked:
@@ -328,6 +329,8 @@ _CARRY_BYTES = 1 << 20
 def _agreement_hook(state: Agreement, bucket):
     grads = bucket.buffer()
     grads.div_(state.world)                        # what DDP's built-in hook does first
+    if bucket.index() == 0 and state.on_last_bucket is not None:
+        state.on_last_bucket()                     # the backward's last bucket: this rank's own time ends
     if bucket.index() != 0:
         return state.pg.allreduce([grads]).get_future().then(_first)   # a sum, as dist.all_reduce
     values = state._values(grads.device, grads.dtype)

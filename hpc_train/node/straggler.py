@@ -1,0 +1,114 @@
+"""Stragglers: each rank's own step time, gathered every ``dist.straggler_every_steps`` steps,
+and the slow rank named on rank 0. No Slurm here; torch only for the one collective.
+
+A rank's *own* time is what it spends before it can hand its gradients over: from the end of
+its previous ``step_end`` to the moment its step's last gradient bucket enters DDP's all-reduce
+(the agreement's comm hook on bucket 0, :mod:`hpc_train.node.stops`). The wall time of a step is
+the same on every rank (they wait for each other), so it cannot tell which rank is slow; the own
+time can. Without a watched DDP module (another strategy, a loop of its own) it is the time to
+``step_end``, which includes any collective of the loop's own (say so when naming a rank).
+
+Every N steps every rank contributes its mean own time over those steps to one all-gather of
+``world_size`` float32 values (4 bytes a rank: 16 KiB at 4096 ranks, every 50 steps). Rank 0
+keeps the last :data:`WINDOW` gatherings; a rank whose own time was at least
+``dist.straggler_ratio`` times the median of the other ranks' in each of them is named once, in one line (rank,
+node, how much slower, since which step), until it recovers. ``metrics.jsonl`` and TensorBoard
+get the spread (median, max, the slowest rank) at every gathering.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+log = logging.getLogger("hpc_train")
+WINDOW = 2          # gatherings a rank must be slow in before it is named
+
+
+class Stragglers:
+    def __init__(self, every: int, ratio: float, rank: int, world_size: int, multi: bool, run_dir: Path) -> None:
+        self.every, self.ratio, self.rank, self.world = every, ratio, rank, world_size
+        self.on = multi and every > 0
+        self.run_dir = Path(run_dir)
+        self.started = time.monotonic()     # this step's start: the previous step_end's return
+        self.entered: float | None = None   # the step's last gradient bucket entered the all-reduce
+        self.hooked = False                 # entered is set by a DDP comm hook (own time exact)
+        self._own, self._n = 0.0, 0
+        self._history: deque[list[float]] = deque(maxlen=WINDOW)
+        self.named: dict[int, int] = {}     # rank -> the step since which it is slow (rank 0)
+        self.last: dict[str, float] | None = None
+
+    def enter(self) -> None:
+        """The step's last bucket goes to the all-reduce (called from the comm hook)."""
+        self.entered, self.hooked = time.monotonic(), True
+
+    def arrived(self) -> None:
+        """``step_end`` was reached: this step's own time is known."""
+        if not self.on:
+            return
+        now = time.monotonic()
+        end = self.entered if self.entered is not None and self.entered >= self.started else now
+        self._own += end - self.started
+        self._n += 1
+        self.entered = None
+
+    def left(self, step: int, device) -> dict[str, float] | None:
+        """``step_end`` returns: the next step starts now. Every N steps, the gathering (every
+        rank); on rank 0 its spread, for the metrics; None otherwise."""
+        out = None
+        if self.on and step % self.every == 0 and self._n:
+            out = self._gather(step, device)
+            self._own, self._n = 0.0, 0
+        self.started = time.monotonic()
+        return out
+
+    def _gather(self, step: int, device) -> dict[str, float] | None:
+        import torch
+        import torch.distributed as dist
+        mine = torch.tensor([self._own / self._n], dtype=torch.float32, device=device)
+        every = torch.empty(self.world, dtype=torch.float32, device=device)
+        dist.all_gather_into_tensor(every, mine)
+        if self.rank != 0:
+            return None
+        times = every.cpu().tolist()
+        self._history.append(times)
+        median = statistics.median(times)
+        slowest = max(range(self.world), key=times.__getitem__)
+        self.last = {"straggler_median_s": median, "straggler_max_s": times[slowest],
+                     "straggler_slowest_rank": float(slowest)}
+        self._name(step, median)
+        return self.last
+
+    def _name(self, step: int, median: float) -> None:
+        if len(self._history) < WINDOW or median <= 0:
+            return
+        for r in range(self.world):
+            ratios = [_ratio(h, r) for h in self._history]
+            slow = min(ratios) >= self.ratio
+            if slow and r not in self.named:
+                self.named[r] = step - self.every * (WINDOW - 1)
+                how = "" if self.hooked else " (to step_end: no DDP module is watched, so the loop's own collectives count too)"
+                log.warning("straggler: rank %d on %s is %.1fx slower than the median of the other ranks (own step "
+                            "time %.1f ms against %.1f ms%s) since step %d", r, _node(self.run_dir, r),
+                            sum(ratios) / len(ratios), 1000 * self._history[-1][r],
+                            1000 * self._history[-1][r] / ratios[-1], how, self.named[r])
+            elif not slow and r in self.named and max(ratios) < self.ratio:
+                del self.named[r]
+                log.info("straggler: rank %d on %s is back within %.1fx of the others at step %d", r,
+                         _node(self.run_dir, r), self.ratio, step)
+
+
+def _ratio(times: list[float], r: int) -> float:
+    """Rank ``r``'s own time over the median of the other ranks' (with 2 ranks, the other's: a
+    median over all would halve the gap)."""
+    others = statistics.median(times[:r] + times[r + 1:])
+    return times[r] / others if others > 0 else 1.0
+
+
+def _node(run_dir: Path, rank: int) -> str:
+    from hpc_train.records import ranks
+    rec, _ = ranks.read(run_dir, rank)
+    return rec.node if rec is not None else "an unknown node"
