@@ -111,6 +111,7 @@ class MetricsTail:
     """What ``status`` shows of ``metrics.jsonl``, read from its end."""
     last_step: dict[str, Any] | None = None   # the newest record with a loss
     last_eval: dict[str, Any] | None = None   # the newest with an eval_acc
+    last_spread: dict[str, Any] | None = None   # the newest ranks' step-time spread (stragglers)
     problem: str | None = None                # the file cannot be read, or lines of it are not records
 
 
@@ -158,6 +159,8 @@ def metrics_tail(run_dir: Path) -> MetricsTail:
                         tail.last_step = rec
                     if tail.last_eval is None and "eval_acc" in rec:
                         tail.last_eval = rec
+                    if tail.last_spread is None and "straggler_max_s" in rec:
+                        tail.last_spread = rec
     except OSError as e:
         tail.problem = f"cannot be read ({e.strerror or type(e).__name__})"
         return tail

@@ -386,6 +386,10 @@ def test_a_rank_slowed_by_half_is_named_as_a_straggler_about_2x_slower(tmp_path)
             time.sleep(0.02)
             os.kill(pid, signal.SIGCONT)
             time.sleep(0.02)
+        os.kill(pid, signal.SIGCONT)
+        _wait_for(lambda: "straggler_max_s" in metrics.read_text(), 30, "the spread in metrics.jsonl")
+        st = hpc("status", rd)                              # the running run's slowest rank
+        assert re.search(r"slowest rank at step \d+: rank \d on \S+, own step time [\d.]+ ms, median", st.stdout), show(st)
     finally:
         os.kill(pid, signal.SIGCONT)
         p.send_signal(signal.SIGINT)

@@ -61,6 +61,17 @@ def _budget_line(run_dir: Path, unread: list[str]) -> str:
     return f"requeues: {text}"
 
 
+def _slowest(run_dir: Path, spread: dict) -> str:
+    """The slowest rank at the newest gathering of the ranks' own step times (issue 31)."""
+    from hpc_train.records import ranks
+    r, worst, median = spread.get("straggler_slowest_rank"), spread.get("straggler_max_s"), spread.get("straggler_median_s")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (r, worst, median)):
+        return "slowest rank: unknown (the spread record is not numbers)"
+    rec, _ = ranks.read(run_dir, int(r)) if 0 <= r < 1 << 20 else (None, None)
+    return (f"slowest rank at step {spread['step']}: rank {int(r)} on {rec.node if rec else 'an unknown node'}, "
+            f"own step time {1000 * worst:.1f} ms, median {1000 * median:.1f} ms")
+
+
 def _num(v: object) -> str:
     """A logged value as status shows it: a number to 4 places, anything else as it is."""
     return f"{v:.4f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
@@ -98,6 +109,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             t = last.get("time")
             ago = f" ({outcome.age(time.time() - t)} ago)" if running and isinstance(t, (int, float)) else ""
             print(f"  last step {last['step']}{epoch}, loss {_num(last['loss'])}{ago}")
+        spread = tail.last_spread
+        if spread is not None and not result.finished(run_dir):
+            print(f"  {_slowest(run_dir, spread)}")
         if tail.last_eval is not None:
             print(f"  last eval: accuracy {_num(tail.last_eval['eval_acc'])} at step {tail.last_eval['step']}")
         if result.finished(run_dir):
