@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import REPO, clean_env, hpc, run, show, write_config
+from ckpt_helpers import REPO, clean_env, hpc, show, write_config
 
 STEPS, KILL_AT = 12, 7
 WRAPPER = f"""import sys
@@ -172,7 +172,7 @@ def test_the_batch_script_removes_the_jobs_local_tier_after_its_loop(tmp_path):
     tmp = tmp_path / "tmp"
     (tmp / "hpc_train-7" / "node1" / "rank-0" / "step-5").mkdir(parents=True)
     (tmp / "hpc_train-8").mkdir()   # another job's
-    steps = f'srun() {{ echo "{{}}" > "$RUN_DIR/result.json"; }}\n'
+    steps = 'srun() { echo "{}" > "$RUN_DIR/result.json"; }\n'
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "7",
            "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1", "SLURM_RESTART_COUNT": "0",
            "SLURM_JOB_START_TIME": "1", "TMPDIR": str(tmp)}

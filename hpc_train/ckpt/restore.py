@@ -11,6 +11,7 @@ alone would otherwise sit in its next collective while the others wait in theirs
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,8 +37,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
     ``requeued``: a requeued job goes on from its own newest checkpoint, not a given path;
     ``launched``: started by hpc_train's run/submit/sbatch (an error's advice names ``--resume``,
     else ``HPC_TRAIN_RESUME``). ``local``: this rank's :class:`hpc_train.ckpt.local.LocalTier`,
-    tried first when it holds a step at least as new as the shared tier's (``latest`` or a
-    requeue only). When none loads: one :class:`CheckpointError` naming each."""
+    tried first when it holds a step at least as new as the shared tier's (see :func:`_local_allowed`). When none loads: one :class:`CheckpointError` naming each."""
     is_main = rank == 0
     t0 = time.perf_counter()
     source: store.CkptInfo | None = None
@@ -50,7 +50,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
         except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
             plan_error = e
     source = _agree_on(source, run_dir, rank, device, multi, plan_error)
-    if local is not None and (spec == "latest" or requeued):
+    if local is not None and _local_allowed(spec, requeued):
         item = _from_local(state, local, source, rank, world_size, device, multi, kinds)
         if item is not None:
             log.info("resumed from %s, saved at world size %d (local tier, %.2fs)", item.label, world_size,
@@ -92,6 +92,15 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
         log.info("resumed from %s, saved at world size %s%s (shared tier, %.2fs)", source.label, saved,
                  "" if saved == world_size else f", now {world_size}: resharded", time.perf_counter() - t0)
     return source
+
+
+def _local_allowed(spec: str, requeued: bool) -> bool:
+    """Whether the local tier may serve this restore: ``latest``, a requeue (or torchrun's
+    restart), or a job step restarted in place by the batch script (``HPC_TRAIN_ATTEMPT`` above 1,
+    where the hook may still name the PATH the job started from). Never ``none``, nor a PATH
+    asked for at the start: local items are then older work that the request goes back from."""
+    attempt = os.environ.get(rundir.ATTEMPT_ENV, "")
+    return spec == "latest" or requeued or (attempt.isdigit() and int(attempt) > 1)
 
 
 def _from_local(state: dict[str, Any], local, shared: store.CkptInfo | None, rank: int, world_size: int,

@@ -19,8 +19,8 @@ import shlex
 import sys
 from typing import Any
 
-from hpc_train import threads as omp
 from hpc_train import config_local
+from hpc_train import threads as omp
 from hpc_train.config import Config, JobSection, time_minutes
 from hpc_train.rundir import ATTEMPT_ENV, BATCH_START_ENV
 from hpc_train.login import nodes
