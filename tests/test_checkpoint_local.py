@@ -30,8 +30,9 @@ STEPS, KILL_AT = 12, 7
 WRAPPER = f"""import sys
 sys.path.insert(0, {str(REPO / "tests" / "scripts")!r})
 import hpc_train
-hpc_train.init(overrides=["checkpoint.every_steps=4", "checkpoint.every_seconds=0", "checkpoint.local_every_steps=3",
-                          "checkpoint.local_dir=" + sys.argv[3], "log.tensorboard=false"])
+import os
+hpc_train.init(overrides=["checkpoint.every_steps=" + os.environ.get("SHARED_EVERY", "4"), "checkpoint.every_seconds=0",
+                          "checkpoint.local_every_steps=3", "checkpoint.local_dir=" + sys.argv[3], "log.tensorboard=false"])
 import local_tier_loop
 local_tier_loop.main(int(sys.argv[1]), int(sys.argv[2]))
 """
@@ -83,6 +84,18 @@ def test_a_rank_killed_in_place_restores_from_its_node_bitwise(tmp_path, referen
     _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
     # A finished run leaves nothing of its local tier.
     assert list((tmp_path / "shm").iterdir()) == []
+
+
+def test_with_no_complete_shared_checkpoint_the_local_tier_still_serves(tmp_path, reference):
+    """The shared tier holds only a save that never finished (as when a rank dies while the first
+    one is written): alone, that is refused ("none is complete"); the local tier resumes instead."""
+    p = _torchrun(tmp_path, KILL_AT, SHARED_EVERY="0", LOCAL_TIER_UNFINISHED="1")
+    assert p.returncode == 0, show(p)
+    rd = tmp_path / "runs" / "loop"
+    logs = _logs(rd)
+    assert len([ln for ln in logs.splitlines() if "the shared tier has no checkpoint to resume from" in ln]) == 1, logs
+    assert len(re.findall(r"resumed from step 6 \(\S+/step-6\), saved at world size 2 \(local tier", logs)) == 2, logs
+    _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
 
 
 def test_a_flipped_bit_in_a_local_item_falls_back_to_the_shared_tier(tmp_path, reference):
@@ -150,7 +163,7 @@ def test_bad_local_tier_values_exit_2_in_one_line(setting, names):
 def test_the_config_shows_the_local_tier_defaults():
     p = hpc("config", "jobs/digits.yaml")
     assert p.returncode == 0, show(p)
-    for line in ("local_every_steps: 0", "local_every_seconds: 30.0", "local_dir: ''", "local_keep: 2"):
+    for line in ("local_every_steps: 0", "local_every_seconds: 0.0", "local_dir: ''", "local_keep: 2"):
         assert line in p.stdout, p.stdout
 
 

@@ -49,14 +49,30 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
                                 verify=False, requeued=requeued).source
         except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
             plan_error = e
-    source = _agree_on(source, run_dir, rank, device, multi, plan_error)
-    if local is not None and _local_allowed(spec, requeued):
+    use_local = local is not None and _local_allowed(spec, requeued)
+    try:
+        source = _agree_on(source, run_dir, rank, device, multi, plan_error)
+    except (CheckpointError, UsageError) as e:
+        # Every rank raised together. The shared tier has nothing to resume from (say, its only
+        # checkpoint was still being written when a rank died), but the local tier may: try it
+        # first, and refuse as before only if it has nothing either.
+        if not use_local:
+            raise
+        shared_error, source = e, None
+    else:
+        shared_error = None
+    if use_local:
         item = _from_local(state, local, source, rank, world_size, device, multi, kinds)
         if item is not None:
+            if shared_error is not None and is_main:
+                log.warning("the shared tier has no checkpoint to resume from (%s); the local tier has one",
+                            str(shared_error).splitlines()[0])
             log.info("resumed from %s, saved at world size %d (local tier, %.2fs)", item.label, world_size,
                      time.perf_counter() - t0)
             local.restored(item.step)
             return item
+    if shared_error is not None:
+        raise shared_error
     record: dict[str, Any] = {}
     tried: list[tuple[int, str]] = []     # (step, why it did not load), for the error if none does
     while source is not None:

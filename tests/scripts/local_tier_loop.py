@@ -4,7 +4,8 @@
 (so the RNG state matters) and a shuffled loader. With KILL_AT, rank 1 of the first attempt
 (torchrun's ``TORCHELASTIC_RESTART_COUNT`` 0) SIGKILLs itself right after ``step_end`` of that
 step, as a crashed rank would; torchrun's ``--max-restarts`` then starts every rank again in
-place. With ``LOCAL_TIER_FLIP`` set, rank 1 first flips one bit of its newest local item. Before
+place. With ``LOCAL_TIER_FLIP`` set, rank 1 first flips one bit of its newest local item; with
+``LOCAL_TIER_UNFINISHED``, rank 0 leaves a shared step directory without a commit record. Before
 the kill, each rank writes the steps its node's local tier holds to
 ``RUN_DIR/local-steps-R.json``; at the end, rank 0 writes the model's weights to ``RUN_DIR/final.pt``.
 """
@@ -42,9 +43,15 @@ def main(steps: int, kill_at: int = 0) -> dict:
             if run.step_end(state):
                 sys.exit(run.exit_code)
             if first and state["step"] == kill_at:
-                run._local.wait()   # the save of this step, if any, is on disk: what a crash a bit later finds
+                # Both tiers' saves in flight are on disk (what a crash a bit later finds): the
+                # shared step 4 is complete even on a loaded machine, where its writer thread
+                # (nice 10) may still be at work three steps later.
+                run._local.wait()
+                run._ckpt.wait()
                 held = sorted(i.step for i in run._local.usable())
                 (run.run_dir / f"local-steps-{run.rank}.json").write_text(json.dumps(held))
+                if run.rank == 0 and os.environ.get("LOCAL_TIER_UNFINISHED"):   # a shared save cut short
+                    (run.run_dir / "checkpoints" / "step-5").mkdir(parents=True)
                 if run.rank == 1:
                     if os.environ.get("LOCAL_TIER_FLIP"):   # one bit of the newest item's tensor data
                         shard = next((run._local.dir / f"step-{held[-1]}").glob("*.distcp"))
