@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from hpc_train import rundir
+from hpc_train import config_local, rundir
 from hpc_train.config_rules import (OPT_LEVELS, STRATEGIES, check_launch, hang_timeout,  # noqa: F401 (re-exported)
                                     resolve_precision, time_minutes)
 from hpc_train.config_yaml import IMPORT_RE, coerce, parse_value, read_file
@@ -173,6 +173,10 @@ class CheckpointSection:
     # with the step for the same cores and memory bandwidth, which can make it slower (measure
     # with benchmarks/checkpoint.py). "never" for code that changes weights outside optimizer.step().
     overlap_staging: str = _f("auto", choices=("auto", "always", "never"))
+    local_every_steps: int = _f(0, min=0, doc="node-local tier (docs/checkpoints.md); 0 = off")
+    local_every_seconds: float = _f(0.0, min=0, max=_WEEK, doc="local tier: e.g. 30; 0 = only by local_every_steps")
+    local_dir: str = _f("", doc="'' = $SLURM_TMPDIR, else $TMPDIR, else /dev/shm")
+    local_keep: int = _f(2, min=1)
 
 
 @dataclass
@@ -345,6 +349,7 @@ def validate(cfg: Config) -> Config:
                          f"(1.3: 30% slower than the median rank)")
     if cfg.train.fn and not IMPORT_RE.match(cfg.train.fn):
         raise UsageError(f"config: train.fn must be an import path 'package.module:function', got {cfg.train.fn!r}")
+    config_local.check(cfg.checkpoint)
     return cfg
 
 

@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpc_train import rundir
+from hpc_train import config_local, rundir
 from hpc_train.ckpt import state as state_mod
 from hpc_train.config import Config
-from hpc_train.errors import EXIT_STOPPED, NonFiniteError, UsageError
+from hpc_train.errors import EXIT_STOPPED, UsageError
+from hpc_train.node import guard
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.session import Session
 from hpc_train.node.stops import Agreement, StopRequest, record_stop
@@ -76,6 +77,7 @@ class Run:
         self._ckpt = None
         from hpc_train.node.report import Reporter
         self._report = Reporter(cfg, self.run_dir, self.is_main)
+        self._local = None   # the node-local tier (hpc_train.ckpt.local), once asked for
         self._start_step = 0
         self._resumed_from: int | None = None   # see Checkpointer.resumed_from; None: no restore
         self._last_state: Mapping[str, Any] | None = None
@@ -183,6 +185,12 @@ class Run:
             self._ckpt.resumed_from = self._resumed_from
         return self._ckpt
 
+    def _local_tier(self):
+        if self._local is None and config_local.enabled(self.config.checkpoint):
+            from hpc_train.ckpt.local import LocalTier
+            self._local = LocalTier(self.config, self.run_dir, self.rank, self.world_size, self.checkpoint_record)
+        return self._local
+
     def restore(self, state: dict[str, Any]) -> int:
         """Load the checkpoint chosen for this run into ``state`` in place (plain values are
         replaced in the dict); returns the restored step, 0 on a fresh run. Every rank takes
@@ -200,14 +208,16 @@ class Run:
                                      device=self.device, multi=self._multi, kinds=kinds,
                                      spec=os.environ.get(rundir.RESUME_ENV, "latest"),
                                      requeued=self.env.restart_count > 0,
-                                     launched=self._session is not None and self._session.launched)
+                                     launched=self._session is not None and self._session.launched,
+                                     local=self._local_tier())
         self._start_step = state["step"] if source is not None else 0
         self._progress.leave(before)
         goodput.resume_gc()   # start-up ends here (a worker turned the collector off for it)
         ledger = self._report.ledger()
         if ledger is not None:
             ledger.restored(self._start_step, time.time() - t_load if source is not None else 0.0)
-        own = source is not None and source.path.parent.resolve() == store.ckpt_root(self.run_dir).resolve()
+        own = source is not None and (source.record.get("tier") == "local"
+                                      or source.path.parent.resolve() == store.ckpt_root(self.run_dir).resolve())
         self._resumed_from = source.step if own else -1
         if self._ckpt is not None:
             self._ckpt.last_step = self._start_step
@@ -221,18 +231,13 @@ class Run:
 
     def _flags(self) -> list[float]:
         timed = self._ckpt is not None and self._ckpt.due_by_time()
-        return [float(self.stop.requested), float(timed)]
+        local = [float(self._local.due_by_time())] if self._local_tier() is not None else []   # its timer
+        return [float(self.stop.requested), float(timed), *local]
 
-    @torch.no_grad()
     def sync_buffers(self) -> None:
-        """Give every rank rank 0's buffers (BatchNorm statistics) before a save or an eval.
-
-        DDP broadcasts rank 0's buffers at the start of every training forward, so rank 0's are
-        the canonical ones; syncing makes the replicated tensors truly equal (DCP writes each
-        one from whichever rank it picks). Training is unchanged by it (the exactness tests)."""
-        if self._multi and self._replicated is not None:
-            for buf in self._replicated.buffers():
-                dist.broadcast(buf, 0)
+        """Give every rank rank 0's buffers (BatchNorm statistics) before a save or an eval
+        (see :func:`hpc_train.node.guard.sync_buffers`)."""
+        guard.sync_buffers(self._replicated if self._multi else None)
 
     def step_end(self, state: dict[str, Any]) -> bool:
         """Call once per optimizer step, after ``state["step"] += 1``. Every rank agrees on a
@@ -252,11 +257,12 @@ class Run:
         sums = self._agreement.collect(self.device)
         self._progress.stepped(step)
         stop, timed = bool(sums[0] > 0), bool(sums[1] > 0)
-        self.step_sums = sums[2:].tolist()
+        local, n = self._local, 2 + (self._local is not None)   # flags: see _flags
+        local_timed, self.step_sums = n == 3 and bool(sums[2] > 0), sums[n:].tolist()
         self._last_state, self._prev_step = state, step
         if not all(math.isfinite(v) for v in self.step_sums):
             # Every rank sees the same sums, so every rank raises here, before any save.
-            self._diverged(step, f"the values summed with the step are {self.step_sums} (the loss first)")
+            guard.diverged(step, f"the values summed with the step are {self.step_sums} (the loss first)", self._ckpt)
         ledger = self._report.ledger()
         if ledger is not None:
             ledger.step(step)
@@ -268,11 +274,13 @@ class Run:
                 before = self._progress.enter("checkpoint save")
                 t0 = time.perf_counter()
                 self.sync_buffers()
-                self._check_weights(state, kinds, step)
+                guard.check_weights(state, kinds, self._multi, step, self._ckpt)
                 ckpt.save(state, step, blocking=stop, kinds=kinds)
                 if ledger is not None:
                     self._report.saved(ledger, step, time.perf_counter() - t0)
                 self._progress.leave(before)
+        if local is not None and not stop and local.due(step, local_timed):
+            local.save(state, step, kinds)
         if stop:
             self._on_stop(step)
         spread = self._stragglers.left(step, self.device)
@@ -280,16 +288,6 @@ class Run:
             self._report.aside(step, spread, self.total_steps, self._start_step)
         return stop
 
-    def _diverged(self, step: int, what: str) -> None:
-        last = self._ckpt.last_step if self._ckpt is not None and self._ckpt.last_step >= 0 else None
-        raise NonFiniteError(
-            f"training diverged at step {step}: {what}, not finite on some rank; nothing was saved for this step"
-            + (f" (the newest checkpoint is step {last})" if last is not None else ""))
-
-    def _check_weights(self, state: Mapping[str, Any], kinds: dict[str, str], step: int) -> None:
-        from hpc_train.node.guard import weights_finite
-        if not weights_finite(state, kinds, self._multi):
-            self._diverged(step, "a weight about to be saved is NaN or infinite")
 
     def _on_stop(self, step: int) -> None:
         self.stopped, self.stop_step = True, step
@@ -317,6 +315,8 @@ class Run:
         if self._ckpt is not None:
             self._ckpt.close()
         self._report.close()
+        if self._local is not None:   # nothing there serves again after a finish or a stop
+            self._local.close(remove=self.finished or self.stopped)
         if self._last_state is not None:
             for v in self._last_state.values():
                 if getattr(v, "hpc_train_per_rank", False) and hasattr(v, "close"):

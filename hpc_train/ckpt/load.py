@@ -45,10 +45,12 @@ def check_keys(path: Path, saved: dict[str, str] | None, kinds: dict[str, str]) 
 
 
 def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
-         kinds: dict[str, str] | None = None) -> dict[str, Any]:
+         kinds: dict[str, str] | None = None, single: bool = False) -> dict[str, Any]:
     """Restore ``state`` in place from a complete checkpoint (resharding if the world size
     changed), checking the checksums of every byte read. Returns the commit record. A
-    :class:`CheckpointError` says why the checkpoint does not load; the caller names it."""
+    :class:`CheckpointError` says why the checkpoint does not load; the caller names it.
+    ``single``: one rank's own item of the local tier (:mod:`hpc_train.ckpt.local`), read by
+    this rank alone."""
     info = resume.inspect(path)
     if not info.complete:
         raise CheckpointError(f"not complete: {info.problem}")
@@ -61,7 +63,7 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
             reader = SafeReader(str(path), checks)
             reader.read_metadata()    # checked before DCP reads it (see SafeReader)
             dcp.load(dcp_st, storage_reader=reader, planner=SafePlanner(),
-                     process_group=None, no_dist=not (dist.is_initialized() and world_size > 1))
+                     process_group=None, no_dist=single or not (dist.is_initialized() and world_size > 1))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
             # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
             w = why(e)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train import config as config_mod
-from hpc_train import rundir
+from hpc_train import config_local, rundir
 from hpc_train.ckpt import compat, store
 from hpc_train.config import Config
 from hpc_train.errors import UsageError
@@ -81,7 +81,26 @@ def _decide(run_dir: Path, cfg: Config | None, resume: str, signature: dict[str,
         if store.is_finished(run_dir):
             compat.check_finished(run_dir, cfg, launched)
         compat.check_resume_changes(run_dir, cfg, warn, launched)
-    return store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
+    try:
+        return store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
+    except UsageError as e:
+        # No complete shared checkpoint, but this node's local tier (hpc_train.ckpt.local) holds
+        # this run's work: the restore tries it first, and refuses as this would if it cannot.
+        if resume != "latest" or "none is complete" not in str(e) or not _local_items_here(run_dir, cfg):
+            raise
+        warn(f"{str(e).split('; refusing')[0]}; this node's local checkpoint tier holds newer work: trying it")
+        return store.ResumePlan(None)
+
+
+def _local_items_here(run_dir: Path, cfg: Config | None) -> bool:
+    """Whether this process's node directory of the local tier holds a complete item of this run
+    (rank 0's: the pre-launch runs on rank 0; every rank's is checked by the restore)."""
+    if cfg is None or not config_local.enabled(cfg.checkpoint):
+        return False
+    mine = config_local.rank_dir(config_local.this_process(cfg.checkpoint.local_dir), 0)
+    resolved = str(Path(run_dir).resolve())
+    return any(info.complete and info.record.get("run_dir") == resolved
+               for info in map(store.inspect, mine.glob("step-*")))
 
 
 # status reads a checkpoint's checksums (as a rerun would before it starts) only up to this size;

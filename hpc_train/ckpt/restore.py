@@ -11,6 +11,8 @@ alone would otherwise sit in its next collective while the others wait in theirs
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,13 +31,15 @@ _PATH_BYTES = 4096   # a checkpoint path, broadcast as a fixed-size byte tensor 
 
 def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int, device: torch.device,
             multi: bool, kinds: Mapping[str, str], spec: str, requeued: bool = False,
-            launched: bool = False) -> store.CkptInfo | None:
+            launched: bool = False, local=None) -> store.CkptInfo | None:
     """Load the agreed checkpoint into ``state``; returns what was loaded, None when fresh.
     ``spec``: ``latest``, ``none`` (the launcher already moved old checkpoints aside) or a path;
     ``requeued``: a requeued job goes on from its own newest checkpoint, not a given path;
     ``launched``: started by hpc_train's run/submit/sbatch (an error's advice names ``--resume``,
-    else ``HPC_TRAIN_RESUME``). When none loads: one :class:`CheckpointError` naming each."""
+    else ``HPC_TRAIN_RESUME``). ``local``: this rank's :class:`hpc_train.ckpt.local.LocalTier`,
+    tried first when it holds a step at least as new as the shared tier's (see :func:`_local_allowed`). When none loads: one :class:`CheckpointError` naming each."""
     is_main = rank == 0
+    t0 = time.perf_counter()
     source: store.CkptInfo | None = None
     plan_error: Exception | None = None
     if is_main:
@@ -45,7 +49,30 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
                                 verify=False, requeued=requeued).source
         except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
             plan_error = e
-    source = _agree_on(source, run_dir, rank, device, multi, plan_error)
+    use_local = local is not None and _local_allowed(spec, requeued)
+    try:
+        source = _agree_on(source, run_dir, rank, device, multi, plan_error)
+    except (CheckpointError, UsageError) as e:
+        # Every rank raised together. The shared tier has nothing to resume from (say, its only
+        # checkpoint was still being written when a rank died), but the local tier may: try it
+        # first, and refuse as before only if it has nothing either.
+        if not use_local:
+            raise
+        shared_error, source = e, None
+    else:
+        shared_error = None
+    if use_local:
+        item = _from_local(state, local, source, rank, world_size, device, multi, kinds)
+        if item is not None:
+            if shared_error is not None and is_main:
+                log.warning("the shared tier has no checkpoint to resume from (%s); the local tier has one",
+                            str(shared_error).splitlines()[0])
+            log.info("resumed from %s, saved at world size %d (local tier, %.2fs)", item.label, world_size,
+                     time.perf_counter() - t0)
+            local.restored(item.step)
+            return item
+    if shared_error is not None:
+        raise shared_error
     record: dict[str, Any] = {}
     tried: list[tuple[int, str]] = []     # (step, why it did not load), for the error if none does
     while source is not None:
@@ -74,11 +101,47 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
                 raise error
             raise CheckpointError(_none_loads(source.path.parent, tried, launched)) from None
         source = older
+    if local is not None:
+        local.restored(source.step if source is not None else 0)
     if source is not None:
         saved = record.get("world_size")
-        log.info("resumed from %s, saved at world size %s%s", source.label, saved,
-                 "" if saved == world_size else f", now {world_size}: resharded")
+        log.info("resumed from %s, saved at world size %s%s (shared tier, %.2fs)", source.label, saved,
+                 "" if saved == world_size else f", now {world_size}: resharded", time.perf_counter() - t0)
     return source
+
+
+def _local_allowed(spec: str, requeued: bool) -> bool:
+    """Whether the local tier may serve this restore: ``latest``, a requeue (or torchrun's
+    restart), or a job step restarted in place by the batch script (``HPC_TRAIN_ATTEMPT`` above 1,
+    where the hook may still name the PATH the job started from). Never ``none``, nor a PATH
+    asked for at the start: local items are then older work that the request goes back from."""
+    attempt = os.environ.get(rundir.ATTEMPT_ENV, "")
+    return spec == "latest" or requeued or (attempt.isdigit() and int(attempt) > 1)
+
+
+def _from_local(state: dict[str, Any], local, shared: store.CkptInfo | None, rank: int, world_size: int,
+                device: torch.device, multi: bool, kinds: Mapping[str, str]) -> store.CkptInfo | None:
+    """Load the local item every rank agrees on, if any; None (every rank together) when there
+    is none or it does not load on some rank: the shared tier's restore follows and overwrites
+    whatever a failed load changed. A damaged item is one warning, named by the rank that found it."""
+    item = local.choose(shared.step if shared is not None else -1, device, multi)
+    if item is None:
+        return None
+    error: BaseException | None = None
+    try:
+        checkpoint.load(state, item.path, rank, world_size, dict(kinds), single=True)
+    except Exception as e:  # noqa: BLE001 - every rank falls back together
+        error = e
+    failed = error is not None
+    if multi:
+        flag = torch.tensor([float(failed)], device=device)
+        dist.all_reduce(flag)
+        failed = flag.item() > 0
+    if error is not None:
+        why = str(error).splitlines()[0] if str(error) else type(error).__name__
+        log.warning("skipping local checkpoint %s: it does not load: %s; restoring from the shared tier",
+                    item.label, why)
+    return None if failed else item
 
 
 def _none_loads(root: Path, tried: list[tuple[int, str]], launched: bool) -> str:

@@ -56,7 +56,33 @@ def cmd_list(run_dir: Path) -> int:
     for a in aside:
         print(f"  {a.name}  {_du(a) / 1e6:.2f}MB")
     print(f"disk use of {resume.ckpt_root(run_dir)}: {_du(resume.ckpt_root(run_dir)) / 1e6:.2f}MB")
+    _list_local(run_dir)
     return 0
+
+
+def _list_local(run_dir: Path) -> None:
+    """The node-local tier's items of this run (hpc_train.ckpt.local) that this machine can see:
+    those of its own node(s) when ``ckpt list`` runs where the run does; a login node sees none."""
+    from hpc_train import config, config_local
+    try:
+        local_dir = config.load(run_dir / rundir.CONFIG).checkpoint.local_dir
+    except (UsageError, OSError):
+        local_dir = ""
+    mine, seen = str(run_dir.resolve()), []
+    for base in config_local.visible_bases(local_dir, os.environ):
+        for path in sorted(base.glob(f"{config_local.PREFIX}*/*/rank-*/step-*")):
+            info = resume.inspect(path)
+            if info.record.get("tier") == "local" and info.record.get("run_dir") == mine:
+                seen.append(info)
+    if not seen:   # a login node, or a run without the tier: nothing to say
+        return
+    print("local tier (node-local, one item per rank; the newest step every rank holds is restored first):")
+    for i in sorted(seen, key=lambda i: (-i.step, str(i.path))):
+        t = i.record.get("time")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
+        where = f"{i.path.parent.parent.name}/rank-{i.record.get('rank')}"
+        print(f"{i.step:>8}  {when:19}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  local {where}  "
+              f"{i.path}")
 
 
 def verify_one(info: resume.CkptInfo) -> str | None:

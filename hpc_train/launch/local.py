@@ -249,7 +249,24 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
             signal.signal(s, signal.SIG_IGN if finished and s in (signal.SIGTERM, signal.SIGHUP) else h)
         from hpc_train.goodput import exited, process_start_time
         exited(run_dir, process_start_time())
+        _remove_local_tier(config_path)
     return _outcome(run_dir, failed, interrupts["n"], interrupts["sig"], started, finished)
+
+
+def _remove_local_tier(config_path: Path) -> None:
+    """The run's node-local checkpoint tier (hpc_train.ckpt.local) ends with the run: this launch's
+    directory (named by this process's pid, the workers' parent; the workers see no SLURM_*) under
+    the config's checkpoint.local_dir and under the default base (a script may set its own), even
+    after a failure (nothing restarts a `run` in place) or a kill of the workers."""
+    import shutil
+    from hpc_train import config as config_mod, config_local
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    try:
+        dirs = {config_local.job_dir(config_mod.load(config_path).checkpoint.local_dir, env, os.getpid())}
+    except Exception:  # noqa: BLE001 - an unreadable config: the default base is still cleaned
+        dirs = set()
+    for d in dirs | {config_local.job_dir("", env, os.getpid())}:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started: float) -> tuple[int, int | None] | None:

@@ -19,8 +19,9 @@ import shlex
 import sys
 from typing import Any
 
+from hpc_train import config_local
 from hpc_train import threads as omp
-from hpc_train.config import JobSection, time_minutes
+from hpc_train.config import Config, JobSection, time_minutes
 from hpc_train.rundir import ATTEMPT_ENV, BATCH_START_ENV
 from hpc_train.login import nodes
 from hpc_train.login.decide import AGAIN
@@ -81,18 +82,24 @@ def directives(opts: dict[str, Any]) -> list[str]:
     return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}" for k, v in opts.items()]
 
 
+def local_dir(cfg: Config) -> str | None:
+    """``checkpoint.local_dir`` when the config asks for the local tier, else None (see Loop)."""
+    return cfg.checkpoint.local_dir if config_local.enabled(cfg.checkpoint) else None
+
+
 class Loop:
     """The srun loop of one batch script: :meth:`before` and :meth:`start` go before the srun
     line, :meth:`after` right after it (with ``status`` holding srun's exit code)."""
 
     def __init__(self, job: JobSection, launcher: str = "srun", python: str | None = None,
-                 run_dir_expr: str = '"$RUN_DIR"', config_expr: str = "") -> None:
+                 run_dir_expr: str = '"$RUN_DIR"', config_expr: str = "", local_dir: str | None = None) -> None:
         self.ranks = tasks_per_node(job)
         self.srun_tasks = 1 if launcher == "torchrun" else self.ranks
         self.job = job
         self.python = python or shlex.quote(sys.executable)
         self.run_dir_expr = run_dir_expr
         self.config_expr = config_expr     # the job's own config file, where it is not the run's yet
+        self.local_dir = local_dir         # the local checkpoint tier's checkpoint.local_dir; None: tier off
 
     def before(self) -> list[str]:
         return [f"export SRUN_CPUS_PER_TASK={self.job.cpus_per_task * (self.ranks // self.srun_tasks)}",
@@ -109,4 +116,14 @@ class Loop:
                 + (f" --config {self.config_expr}" if self.config_expr else ""))
         # "|| hooked=$?": a batch script under set -e would end at the hook's non-zero exit.
         return ["hooked=0", f"next=$({call}) || hooked=$?", 'status="$hooked"',
-                f'if [ "$status" -ne {AGAIN} ]; then break; fi', 'eval "$next"', "done"]
+                f'if [ "$status" -ne {AGAIN} ]; then break; fi', 'eval "$next"', "done", *self.cleanup()]
+
+    def cleanup(self) -> list[str]:
+        """After the loop: remove the job's node-local checkpoint tier on every node (an in-place
+        restart, inside the loop, still finds it). Only under Slurm (``SLURM_JOB_NUM_NODES``);
+        ``command``: not through a shell function named srun (login.nodes)."""
+        if self.local_dir is None:
+            return []
+        return ["# The job's node-local checkpoints (checkpoint.local_*) end with it, on every node.",
+                'if [ -n "${SLURM_JOB_NUM_NODES:-}" ]; then',
+                f"  command {config_local.shell_cleanup(self.local_dir)}", "fi"]

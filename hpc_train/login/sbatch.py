@@ -39,7 +39,8 @@ class SbatchScript:
     def materialize(self) -> str:
         from hpc_train.login import batch
         job = self.cfg.job
-        loop = batch.Loop(job, self.launcher, q(sys.executable), config_expr='"$JOB_CONFIG"')
+        loop = batch.Loop(job, self.launcher, q(sys.executable), config_expr='"$JOB_CONFIG"',
+                          local_dir=batch.local_dir(self.cfg))
         config_yaml = self.cfg.to_yaml().rstrip("\n")
         eof = "END_OF_CONFIG_" + secrets.token_hex(4).upper()
         while eof in config_yaml:   # the heredoc must not end early

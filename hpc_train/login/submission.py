@@ -90,7 +90,7 @@ def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str
                                                                       max_num_timeout=10**6)
     ex.header = header
     opts = batch.options(job)
-    loop = batch.Loop(job)
+    loop = batch.Loop(job, local_dir=batch.local_dir(cfg))
     # submitit quotes its srun line; a step's nodes after a lost node reach it through a shell
     # function named srun, which the batch shell calls instead of the program (login.nodes).
     step = ['srun() { command srun $step_nodes "$@"; }'] if nodes.guards_nodes(job) else []

@@ -121,6 +121,11 @@ def _join(env: NodeEnv, cfg: DistSection, backend: str, device: torch.device) ->
     # The store also carries sub-group rendezvous (the checkpoint group), so it is kept alive.
     init_timeout = timedelta(seconds=cfg.init_timeout_s)
     store = _store(env, init_timeout)
+    if env.agent_store:
+        # torchrun's agent keeps one store over its restarts: without a prefix per attempt, a group
+        # of a restarted attempt reads the keys of the attempt before (dead peers' addresses) and
+        # fails with "Gloo connectFullMesh failed ... Connection refused", most of the time.
+        store = dist.PrefixStore(f"hpc_train/attempt-{env.restart_count}/", store)
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=init_timeout, **kwargs)

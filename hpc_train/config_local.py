@@ -1,0 +1,99 @@
+"""Where the node-local checkpoint tier lives, and the rules of its config (torch-free).
+
+The local tier (:mod:`hpc_train.ckpt.local`) keeps each rank's whole state in its own node's
+memory or disk. Its directory is a pure function of the config, the environment and two facts
+of the process (its parent's pid, the host's name), so that the worker that saves, the one
+restarted in place that restores, the launcher and the batch script that remove it, and
+``ckpt list`` all name the same path without passing it around::
+
+    BASE/hpc_train-ID/NODE/rank-R/step-N/     a rank's own items (DCP files, app.pt, rank-R.pt, commit.json)
+    BASE/hpc_train-ID/NODE/copies/rank-R/...  reserved: a buddy rank's copies (issue 30, item 2)
+
+* BASE: ``checkpoint.local_dir``, else ``$SLURM_TMPDIR``, else ``$TMPDIR``, else ``/dev/shm``.
+* ID: the Slurm job id (the same across in-place restarts, which are new job steps; an array
+  task has a job id of its own), else ``p<parent pid>``: the ``run`` launcher or torchrun's
+  agent, which outlive the workers they restart. A plain ``python train.py`` gets its shell's
+  pid: a restore also checks the run directory recorded in each item.
+* NODE: ``SLURMD_NODENAME``, else the host name. The local dev cluster's nodes share one disk,
+  so a path per node keeps what each "node" holds apart, as real node-local storage would.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hpc_train.errors import UsageError
+
+PREFIX = "hpc_train-"
+DEFAULT_BASE = "/dev/shm"
+COPIES = "copies"   # reserved for a buddy's copies beside the node's own (not built yet)
+
+
+def check(section: Any) -> None:
+    """The local tier's rules beyond each field's type and range (the CheckpointSection)."""
+    d = section.local_dir
+    if d and not os.path.isabs(d):
+        raise UsageError(f"config: checkpoint.local_dir must be an absolute path or '' (the job's $SLURM_TMPDIR, "
+                         f"$TMPDIR or /dev/shm), got {d!r}")
+    if d and ("\n" in d or "\0" in d):
+        raise UsageError("config: checkpoint.local_dir holds a newline or a NUL byte")
+
+
+def enabled(section: Any) -> bool:
+    """Whether the config asks for the local tier at all (every rank decides the same)."""
+    return bool(section.enabled and (section.local_every_steps or section.local_every_seconds))
+
+
+def base_dir(local_dir: str, env: Mapping[str, str]) -> Path:
+    return Path(local_dir or env.get("SLURM_TMPDIR") or env.get("TMPDIR") or DEFAULT_BASE)
+
+
+def run_id(env: Mapping[str, str], ppid: int) -> str:
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    return job if job else f"p{ppid}"
+
+
+def node_name(env: Mapping[str, str], hostname: str | None = None) -> str:
+    return env.get("SLURMD_NODENAME") or hostname or socket.gethostname()
+
+
+def job_dir(local_dir: str, env: Mapping[str, str], ppid: int) -> Path:
+    """``BASE/hpc_train-ID``: what the launcher and the batch script remove at the end."""
+    return base_dir(local_dir, env) / f"{PREFIX}{run_id(env, ppid)}"
+
+
+def node_dir(local_dir: str, env: Mapping[str, str], ppid: int, hostname: str | None = None) -> Path:
+    return job_dir(local_dir, env, ppid) / node_name(env, hostname)
+
+
+def rank_dir(node: Path, rank: int) -> Path:
+    return node / f"rank-{rank}"
+
+
+def this_process(local_dir: str) -> Path:
+    """This process's node directory (as a worker sees it: its parent is the launcher)."""
+    return node_dir(local_dir, os.environ, os.getppid())
+
+
+def visible_bases(local_dir: str, env: Mapping[str, str]) -> list[Path]:
+    """Where ``ckpt list`` looks for a run's local items from this machine."""
+    out: list[Path] = []
+    for b in (local_dir, env.get("SLURM_TMPDIR"), env.get("TMPDIR"), DEFAULT_BASE):
+        if b and Path(b) not in out:
+            out.append(Path(b))
+    return out
+
+
+def shell_cleanup(local_dir: str) -> str:
+    """The batch script's line that removes the job's local tier on every node of the allocation,
+    at the job's end (also before a requeue: a requeued job lands on nodes whose memory holds
+    nothing of it). ``|| true``: a lost node must not change the job's exit status."""
+    base = f"${{0:-${{SLURM_TMPDIR:-${{TMPDIR:-{DEFAULT_BASE}}}}}}}"
+    arg = shlex.quote(local_dir) if local_dir else "''"
+    return (f'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c '
+            f"'rm -rf -- \"{base}/{PREFIX}$SLURM_JOB_ID\"' {arg} >/dev/null 2>&1 || true")

@@ -1,0 +1,71 @@
+"""The README's loop for the local-tier tests (tests/test_checkpoint_local.py), under torchrun.
+
+``python local_tier_loop.py STEPS [KILL_AT]``: STEPS optimizer steps of a tiny model with dropout
+(so the RNG state matters) and a shuffled loader. With KILL_AT, rank 1 of the first attempt
+(torchrun's ``TORCHELASTIC_RESTART_COUNT`` 0) SIGKILLs itself right after ``step_end`` of that
+step, as a crashed rank would; torchrun's ``--max-restarts`` then starts every rank again in
+place. With ``LOCAL_TIER_FLIP`` set, rank 1 first flips one bit of its newest local item; with
+``LOCAL_TIER_UNFINISHED``, rank 0 leaves a shared step directory without a commit record. Before
+the kill, each rank writes the steps its node's local tier holds to
+``RUN_DIR/local-steps-R.json``; at the end, rank 0 writes the model's weights to ``RUN_DIR/final.pt``.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+import hpc_train
+
+
+def main(steps: int, kill_at: int = 0) -> dict:
+    run = hpc_train.init()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2))
+    model = run.wrap(net)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, generator=g), torch.tensor(i % 2)) for i in range(256)]
+    loader = run.loader(data, batch_size=4)
+    state = {"model": model, "optim": optim, "loader": loader, "step": 0}
+    run.restore(state)
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    loss = torch.zeros(())
+    while state["step"] < steps:
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            state["step"] += 1
+            if run.step_end(state):
+                sys.exit(run.exit_code)
+            if first and state["step"] == kill_at:
+                # Both tiers' saves in flight are on disk (what a crash a bit later finds): the
+                # shared step 4 is complete even on a loaded machine, where its writer thread
+                # (nice 10) may still be at work three steps later.
+                run._local.wait()
+                run._ckpt.wait()
+                held = sorted(i.step for i in run._local.usable())
+                (run.run_dir / f"local-steps-{run.rank}.json").write_text(json.dumps(held))
+                if run.rank == 0 and os.environ.get("LOCAL_TIER_UNFINISHED"):   # a shared save cut short
+                    (run.run_dir / "checkpoints" / "step-5").mkdir(parents=True)
+                if run.rank == 1:
+                    if os.environ.get("LOCAL_TIER_FLIP"):   # one bit of the newest item's tensor data
+                        shard = next((run._local.dir / f"step-{held[-1]}").glob("*.distcp"))
+                        data = bytearray(shard.read_bytes())
+                        data[len(data) // 2] ^= 0x10
+                        shard.write_bytes(bytes(data))
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if state["step"] >= steps:
+                break
+    out = run.finish({"loss": loss.item()})
+    if run.rank == 0:
+        torch.save({k: v.clone() for k, v in net.state_dict().items()}, run.run_dir / "final.pt")
+    return out
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0)

@@ -1,0 +1,209 @@
+"""The node-local checkpoint tier (issue 30, item 1): real processes, real gloo groups, real files.
+
+* A user's loop under ``torchrun --max-restarts 1`` (tests/scripts/local_tier_loop.py): rank 1
+  SIGKILLs itself at step 7, torchrun starts both ranks again in place, and they restore from
+  their own local items of step 6 (the shared tier has step 4), ending bitwise equal to a run
+  that was never killed. With a bit flipped in rank 1's item, every rank falls back to the shared
+  tier's step 4 with one warning and still ends bitwise equal.
+* The built-in trainer under ``run``: local items are saved and nothing is left in /dev/shm
+  after the run; an unwritable or missing local directory turns the tier off in one line and the
+  run completes.
+* Bad values of its config: exit 2, one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_helpers import REPO, clean_env, hpc, show, write_config
+
+STEPS, KILL_AT = 12, 7
+WRAPPER = f"""import sys
+sys.path.insert(0, {str(REPO / "tests" / "scripts")!r})
+import hpc_train
+import os
+hpc_train.init(overrides=["checkpoint.every_steps=" + os.environ.get("SHARED_EVERY", "4"), "checkpoint.every_seconds=0",
+                          "checkpoint.local_every_steps=3", "checkpoint.local_dir=" + sys.argv[3], "log.tensorboard=false"])
+import local_tier_loop
+local_tier_loop.main(int(sys.argv[1]), int(sys.argv[2]))
+"""
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _torchrun(cwd: Path, kill_at: int, restarts: str = "1", **env: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 --max-restarts RESTARTS loop.py STEPS KILL_AT LOCAL_DIR`` in ``cwd``."""
+    (cwd / "loop.py").write_text(WRAPPER)
+    (cwd / "shm").mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", restarts,
+           "--monitor-interval", "0.2", "--master_port", _port(), "loop.py", str(STEPS), str(kill_at), str(cwd / "shm")]
+    return subprocess.run(cmd, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=180)
+
+
+def _logs(run_dir: Path) -> str:
+    return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("rank-*.log")))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The final weights of the same loop, never killed."""
+    d = tmp_path_factory.mktemp("local-ref")
+    p = _torchrun(d, 0)
+    assert p.returncode == 0, show(p)
+    return torch.load(d / "runs" / "loop" / "final.pt", weights_only=True)
+
+
+def _assert_bitwise(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_a_rank_killed_in_place_restores_from_its_node_bitwise(tmp_path, reference):
+    p = _torchrun(tmp_path, KILL_AT)
+    assert p.returncode == 0, show(p)
+    rd = tmp_path / "runs" / "loop"
+    # Both ranks held local items of steps 3 and 6 when rank 1 died (local_keep 2); the shared tier had step 4.
+    assert [json.loads((rd / f"local-steps-{r}.json").read_text()) for r in (0, 1)] == [[3, 6], [3, 6]]
+    logs = _logs(rd)
+    for r in (0, 1):
+        assert re.search(rf"\[rank {r}\] .*resumed from step 6 \(\S+/rank-{r}/step-6\), saved at world size 2 \(local tier, [0-9.]+s\)", logs), logs
+    assert "shared tier" not in logs and "skipping" not in logs, logs
+    _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
+    # A finished run leaves nothing of its local tier.
+    assert list((tmp_path / "shm").iterdir()) == []
+
+
+def test_with_no_complete_shared_checkpoint_the_local_tier_still_serves(tmp_path, reference):
+    """The shared tier holds only a save that never finished (as when a rank dies while the first
+    one is written): alone, that is refused ("none is complete"); the local tier resumes instead."""
+    p = _torchrun(tmp_path, KILL_AT, SHARED_EVERY="0", LOCAL_TIER_UNFINISHED="1")
+    assert p.returncode == 0, show(p)
+    rd = tmp_path / "runs" / "loop"
+    logs = _logs(rd)
+    assert len([ln for ln in logs.splitlines() if "the shared tier has no checkpoint to resume from" in ln]) == 1, logs
+    assert len(re.findall(r"resumed from step 6 \(\S+/step-6\), saved at world size 2 \(local tier", logs)) == 2, logs
+    _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
+
+
+def test_a_flipped_bit_in_a_local_item_falls_back_to_the_shared_tier(tmp_path, reference):
+    p = _torchrun(tmp_path, KILL_AT, LOCAL_TIER_FLIP="1")
+    assert p.returncode == 0, show(p)
+    rd = tmp_path / "runs" / "loop"
+    logs = _logs(rd)
+    warned = [ln for ln in logs.splitlines() if "skipping local checkpoint" in ln]
+    assert len(warned) == 1 and warned[0].startswith("[rank 1]") and "crc32c" in warned[0], logs
+    assert "step 6" in warned[0] and "restoring from the shared tier" in warned[0], warned
+    assert len(re.findall(r"resumed from step 4 \(\S+/checkpoints/step-4\), saved at world size 2 \(shared tier", logs)) == 2, logs
+    _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
+    assert list((tmp_path / "shm").iterdir()) == []
+
+
+def _trainer(tmp_path: Path, *sets: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+    cfg = write_config(tmp_path / "job.yaml", {"checkpoint": {"every_steps": 0, "every_seconds": 0,
+                                                              "local_every_steps": 2}})
+    rd = tmp_path / "run"
+    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(rd)] + [x for s in sets for x in ("--set", s)]
+    return hpc(*args, env=env or clean_env()), rd
+
+
+def test_the_trainer_saves_local_items_in_dev_shm_and_leaves_none(tmp_path):
+    before = {p.name for p in Path("/dev/shm").glob("hpc_train-*")}
+    env = {k: v for k, v in clean_env().items() if k != "TMPDIR"}   # the default base: /dev/shm
+    p, rd = _trainer(tmp_path, env=env)
+    assert p.returncode == 0, show(p)
+    assert (rd / "result.json").exists()
+    logs = _logs(rd)
+    saved = re.findall(r"local checkpoint tier: step 2 to (/dev/shm/hpc_train-p\d+/[^/]+/rank-(\d))", logs)
+    assert sorted(r for _, r in saved) == ["0", "1"], logs
+    job_dir = Path(saved[0][0]).parent.parent
+    assert not job_dir.exists()
+    assert {p.name for p in Path("/dev/shm").glob("hpc_train-*")} <= before
+
+
+@pytest.mark.parametrize("local_dir, why", [("/proc", "is not writable"),
+                                            ("/nonexistent-hpc-train/x", "does not exist")])
+def test_an_unusable_local_dir_turns_the_tier_off_in_one_line(tmp_path, local_dir, why):
+    p, rd = _trainer(tmp_path, f"checkpoint.local_dir={local_dir}")
+    assert p.returncode == 0, show(p)
+    assert (rd / "result.json").exists()
+    logs = _logs(rd)
+    off = [ln for ln in logs.splitlines() if "local checkpoint tier off" in ln]
+    assert sorted(ln[:8] for ln in off) == ["[rank 0]", "[rank 1]"], logs     # one line per rank
+    assert all(why in ln and "the shared tier go on" in ln for ln in off), off
+    assert "local checkpoint tier: step" not in logs
+
+
+@pytest.mark.parametrize("setting, names", [
+    ("checkpoint.local_every_steps=-1", ("checkpoint.local_every_steps",)),
+    ("checkpoint.local_every_seconds=abc", ("checkpoint.local_every_seconds",)),
+    ("checkpoint.local_every_seconds=-5", ("checkpoint.local_every_seconds",)),
+    ("checkpoint.local_keep=0", ("checkpoint.local_keep",)),
+    ("checkpoint.local_dir=relative/dir", ("checkpoint.local_dir", "absolute")),
+])
+def test_bad_local_tier_values_exit_2_in_one_line(setting, names):
+    p = hpc("config", "jobs/digits.yaml", "--set", setting)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, show(p)
+    assert all(n in p.stderr for n in names), p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_the_config_shows_the_local_tier_defaults():
+    p = hpc("config", "jobs/digits.yaml")
+    assert p.returncode == 0, show(p)
+    for line in ("local_every_steps: 0", "local_every_seconds: 0.0", "local_dir: ''", "local_keep: 2"):
+        assert line in p.stdout, p.stdout
+
+
+def test_the_batch_script_removes_the_jobs_local_tier_after_its_loop(tmp_path):
+    """The rendered script in a real bash: its steps (a shell function named srun) finish the run;
+    the cleanup's ``command srun`` (a program on PATH here, running its command on "the node",
+    this machine) removes ``$TMPDIR/hpc_train-<job id>``, the directory every rank of the job used."""
+    out = tmp_path / "job.sbatch"
+    rd = tmp_path / "run"
+    p = hpc("sbatch", "jobs/digits.yaml", "--run-dir", rd, "-o", out, "--set", "checkpoint.local_every_steps=5")
+    assert p.returncode == 0, show(p)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/cleanup.calls\n'
+                                  'while [ "$1" != bash ]; do shift; done\nexec "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    tmp = tmp_path / "tmp"
+    (tmp / "hpc_train-7" / "node1" / "rank-0" / "step-5").mkdir(parents=True)
+    (tmp / "hpc_train-8").mkdir()   # another job's
+    steps = 'srun() { echo "{}" > "$RUN_DIR/result.json"; }\n'
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1", "SLURM_RESTART_COUNT": "0",
+           "SLURM_JOB_START_TIME": "1", "TMPDIR": str(tmp)}
+    job = subprocess.run(["bash", "-c", steps + out.read_text()], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert job.returncode == 0, job.stderr
+    assert sorted(p.name for p in tmp.iterdir()) == ["hpc_train-8"], job.stderr
+    assert "--nodes=1 --ntasks-per-node=1" in (tmp_path / "cleanup.calls").read_text()
+
+
+def test_ckpt_list_shows_the_local_items_a_crash_left(tmp_path):
+    """Without a restart, a crashed rank's run leaves its local items (an in-place restart would
+    have used them); ``ckpt list`` on the same machine shows them, marked local."""
+    p = _torchrun(tmp_path, KILL_AT, restarts="0")
+    assert p.returncode != 0, show(p)
+    listing = hpc("ckpt", "list", tmp_path / "runs" / "loop")
+    assert listing.returncode == 0, show(listing)
+    local = [ln.split() for ln in listing.stdout.splitlines() if " local " in ln]
+    host = socket.gethostname()
+    assert sorted((int(f[0]), f[-2]) for f in local) == [(s, f"{host}/rank-{r}") for s in (3, 6) for r in (0, 1)], \
+        listing.stdout
