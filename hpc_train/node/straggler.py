@@ -70,7 +70,7 @@ class Stragglers:
         import torch.distributed as dist
         mine = torch.tensor([self._own / self._n], dtype=torch.float32, device=device)
         every = torch.empty(self.world, dtype=torch.float32, device=device)
-        dist.all_gather_into_tensor(every, mine)
+        dist.all_gather_single(every, mine)   # all_gather_into_tensor is deprecated
         if self.rank != 0:
             return None
         times = every.cpu().tolist()

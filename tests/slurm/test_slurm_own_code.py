@@ -89,10 +89,13 @@ def _kill_rank1_at(slurm, job_id: str, run_dir: Path, step: int) -> None:
 
 def test_own_loop_script_preempted_then_killed_is_bitwise(slurm, local_reference, tmp_path):
     """Preempted once (requeued through the queue), then rank 1 killed -9 (restarted in place, in
-    the same allocation): COMPLETED, one requeue, and bitwise the straight local run."""
+    the same allocation): COMPLETED, one requeue, and bitwise the straight local run. With the
+    node-local tier every 5 steps (issue 30; the shared tier every 500): the requeue, on nodes
+    whose memory holds nothing of the run, resumes from the shared tier; the in-place restart
+    from each rank's own node, a few steps back; nothing of the tier is left behind."""
     run_dir = tmp_path / "job"
     r = slurm.cli("submit", "--script", CHARLM, "--nodes", "2", "--partition", "low", *SETS, "--run-dir", run_dir,
-                  "--", "--steps", str(STEPS))
+                  "--set", "checkpoint.local_every_steps=5", "--", "--steps", str(STEPS))
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     _preempt_at(slurm, job, run_dir, [300])
@@ -108,6 +111,14 @@ def test_own_loop_script_preempted_then_killed_is_bitwise(slurm, local_reference
     assert losses(run_dir) == ref_losses
     assert_bitwise(ref_weights, export(slurm, run_dir, tmp_path / "job.pt"))
     assert json.loads((run_dir / "result.json").read_text())["steps"] == STEPS
+    log0 = (run_dir / "logs" / "rank-0.log").read_text()
+    tiers = re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \((local|shared) tier", log0)
+    assert [t for _, t in tiers] == ["shared", "local"], tiers
+    segments = json.loads((run_dir / "goodput.json").read_text())["segments"]
+    redone = [s.get("redone_steps") for s in segments if s.get("redone_steps") is not None]
+    print(f"local tier: resumed in place from step {tiers[1][0]}; steps redone per segment: {redone}")
+    base = re.search(r"local checkpoint tier: step \d+ to (\S+)/hpc_train-", log0)[1]   # $TMPDIR or /dev/shm
+    assert not list(Path(base).glob(f"hpc_train-{job}")), f"the job's local tier was left in {base}"
 
 
 def test_python_api_callable_preempted_twice_is_bitwise(slurm, local_reference, tmp_path, monkeypatch):
