@@ -109,8 +109,9 @@ def _frozen(pid: int) -> bool:
 def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
     """SIGSTOP one rank: the run must end in time, naming that rank, with its Python stack in its
     log. "step" freezes rank 1 between steps with the default dist.timeout_s (600 s): the hang
-    watch (issue 32) names it within 30 s, from rank 0's steps (no step ended for the 20-s floor)
-    and rank 1's silent heartbeat. The other phases have dist.timeout_s=15 and must end within
+    watch (issue 32) names it within 30 s (rank 1's heartbeat age when named), from rank 0's steps
+    (no step ended for the 20-s floor) and rank 1's silent heartbeat, and the run ends within 45 s
+    (the launcher's grace for the others included). The other phases have dist.timeout_s=15 and must end within
     75 s. "save" and "load" freeze the rank inside that phase: the user's own
     state object (tests/plugins_for_tests.py:FreezeIn, in the state of the `claims_loop` function)
     stops its process from its state_dict(), which the checkpointer calls while it saves (rank 0:
@@ -155,15 +156,16 @@ def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
         os.kill(pid, signal.SIGCONT) if Path(f"/proc/{pid}").exists() else None
     took = time.monotonic() - t0
     print(f"SIGSTOP during {phase}: the run ended {took:.1f} s later")
-    assert took <= (30 if phase == "step" else 75), err   # a bound on a hang, not a speed
+    assert took <= (45 if phase == "step" else 75), err   # a bound on a hang, not a speed
     assert p.returncode == 1, err
     assert f"worker rank {rank} failed (stopped responding): WatchdogError: rank {rank} (pid {pid} on " in err, err
     log = (rd / "logs" / f"rank-{rank}.log").read_text()
     assert "most recent call first" in log and "hpc_train/node/watchdog.py" in log   # faulthandler's stack dump
     if phase == "step":
         log0 = (rd / "logs" / "rank-0.log").read_text()
-        assert re.search(rf"rank 1 \(pid {pid} on \S+\) hung: no heartbeat for \d+s while rank 0 waited \d+s in "
-                         r"step \d+ \(limit 20s: dist.hang_floor_s", log0), log0[-3000:]
+        named = re.search(rf"rank 1 \(pid {pid} on \S+\) hung: no heartbeat for (\d+)s while rank 0 waited \d+s in "
+                          r"step \d+ \(limit 20s: dist.hang_floor_s", log0)
+        assert named and int(named[1]) <= 30, log0[-3000:]      # named within 30 s of the freeze
     if phase != "step":
         # The frozen main thread's stack: inside the checkpointer's save or load, in the object's hook.
         hook, inside = {"save": ("state_dict", "_save"), "load": ("load_state_dict", "load")}[phase]

@@ -126,17 +126,20 @@ class HangWatch:
         self._stop.set()
 
     def _loop(self) -> None:
-        warned = False
+        warned = frozen_here = False
         peers = [r for r in range(self.world_size) if r != self.rank]
         last = time.monotonic()
         while not self._stop.wait(CHECK_S):
             stalled, phase, step, limit, why = self.progress.state()
-            now, woke_late = time.monotonic(), time.monotonic() - last > 3 * CHECK_S
+            now = time.monotonic()
+            # This process was stopped itself (SIGSTOP, then SIGCONT): the stall is its own, and
+            # the peer that named it may be gone already; nothing to say until a step ends.
+            frozen_here = frozen_here or now - last > 3 * CHECK_S
             last = now
-            if woke_late:
-                continue        # this process was stopped itself (SIGSTOP, then SIGCONT): not a peer's hang
             if stalled <= limit:
-                warned = False
+                warned = frozen_here = False
+                continue
+            if frozen_here:
                 continue
             frozen = watchdog.stale(self.run_dir, peers, 3 * watchdog.BEAT_S, self._started)
             if self._stop.is_set():
@@ -170,7 +173,7 @@ class HangWatch:
                    f"{rundir.rank_log(self.run_dir, self.rank)}")
         log.error("%s; ending the step", msg)
         try:
-            rundir.write_atomic(rundir.rank_error(self.run_dir, self.rank), f"HangError: {msg}\n")
+            watchdog.write_error(self.run_dir, self.rank, f"HangError: {msg}\n")
         except OSError:
             pass
         time.sleep(1.0)          # peers that see the same hang dump their own stacks first
