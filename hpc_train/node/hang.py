@@ -19,8 +19,9 @@ once and asked for its Python stack; this rank writes its error file and exits, 
 launcher or ``srun --kill-on-bad-exit`` ends the step, and the restart in place follows. When
 every peer still beats, the stall is either a hang (a wedged collective, a stuck data loader) or
 a long phase the code did not mark (an evaluation on rank 0 while the others wait in the next
-collective looks the same from here): this rank says so once, with its stack, and ends the step
-only at the long limit, or at ``dist.hang_timeout_s`` when that is a number. ``dist.timeout_s`` stays
+collective looks the same from here): this rank says so once, with its stack, and leaves the end
+to the collectives' own limit, ``dist.timeout_s`` (or ends it at ``dist.hang_timeout_s`` when
+that is a number). A single-process run has no peers and no watch. ``dist.timeout_s`` stays
 the collectives' own limit, behind this one. A ``--script`` has no steps to see: its ranks keep
 the heartbeat limit alone.
 """
@@ -144,17 +145,18 @@ class HangWatch:
             frozen = watchdog.stale(self.run_dir, peers, 3 * watchdog.BEAT_S, self._started)
             if self._stop.is_set():
                 return
-            if frozen is not None or self.progress.fixed_s is not None or stalled > self.progress.long_s:
+            if frozen is not None or self.progress.fixed_s is not None:
                 self._end(stalled, phase, step, limit, why, frozen)
             elif not warned:
                 # Every peer beats: a long phase the code did not mark (an evaluation on rank 0
                 # while the others wait in the next collective looks the same from here) or a
-                # stuck collective. Said once, with this rank's stack; the long limit ends it.
+                # stuck collective. Said once, with this rank's stack; ending it is left to the
+                # collectives' own limit, dist.timeout_s, as without this watch.
                 warned = True
                 log.warning("no step ended for %.0fs in %s (limit %.0fs: %s), and every peer still beats: a long "
                             "phase (mark it with run.long_phase) or a hang; this rank's Python stack is in %s; "
-                            "ended as a hang after %.0fs", stalled, _at(phase, step), limit, why,
-                            rundir.rank_log(self.run_dir, self.rank), self.progress.long_s)
+                            "a stuck collective ends at dist.timeout_s", stalled, _at(phase, step), limit, why,
+                            rundir.rank_log(self.run_dir, self.rank))
                 _dump_own_stack()
 
     def _end(self, stalled: float, phase: str, step: int | None, limit: float, why: str,
@@ -204,6 +206,7 @@ def watch(d: DistSection, env: NodeEnv, run_dir: Path, start: bool) -> tuple[Pro
     progress = Progress(hang_timeout(d.hang_timeout_s, d.timeout_s, d.hang_floor_s), d.hang_floor_s or min(FLOOR_S, long_s), long_s)
     step = os.environ.get("SLURM_STEP_ID")
     job_step = f"{env.job_id}.{step}" if env.job_id and step else None
+    start = start and env.world_size > 1     # alone, a rank has no peer to name and no collective to wait in
     return progress, (HangWatch(progress, run_dir, env.rank, env.world_size, job_step).start() if start else None)
 
 
