@@ -109,6 +109,5 @@ def _ratio(times: list[float], r: int) -> float:
 
 
 def _node(run_dir: Path, rank: int) -> str:
-    from hpc_train.records import ranks
-    rec, _ = ranks.read(run_dir, rank)
-    return rec.node if rec is not None else "an unknown node"
+    from hpc_train.node.watchdog import holder
+    return holder(run_dir, rank)[0]
