@@ -17,7 +17,10 @@ in this process, medians of ``--reps`` repetitions, every part once per round:
   apart (``python -m hpc_train --help``);
 * the restore plan: ``store.plan(latest)`` as rank 0 of every restart makes it (sizes only), and
   as the pre-launch check makes it (checksums read: here small files, so per-file cost only);
-* the watchdog's scan (``watchdog.stale`` over ranks 1..N-1, rank 0 of a Slurm job's);
+* the watchdog's scan of ranks 1..N-1 (rank 0 of a Slurm job's, and a stalled rank's hang watch):
+  a Run's, one read of N-1 keys from a real ``TCPStore`` served by this process, after every rank's
+  beat was set in it (:mod:`hpc_train.node.beats`); a ``--script``'s supervisors', a ``stat`` of
+  every rank's record;
 
 and, where ``strace`` is installed, the run directory's operations per second of a real 2-rank
 local run in steady state (:mod:`benchmarks.rundir_ops`), extrapolated to N ranks on M nodes from
@@ -51,6 +54,7 @@ from reps import Reps  # noqa: E402
 from hpc_train import config as config_mod, goodput, rundir  # noqa: E402
 from hpc_train.ckpt import store  # noqa: E402
 from hpc_train.errors import EXIT_STOPPED  # noqa: E402
+from hpc_train.node.beats import BEAT_S  # noqa: E402
 from hpc_train.records import jobs, ranks, stop  # noqa: E402
 from hpc_train.records import requeue as requeue_rec  # noqa: E402
 
@@ -163,6 +167,33 @@ def watchdog_scan(run_dir: Path, world: int) -> None:
         raise RuntimeError(f"the scan named rank {found[0]}")
 
 
+def store_beats(world: int):
+    """A ``TCPStore`` served here, every rank's beat set in it (as each rank's heartbeat sets its
+    own), and a reader's connection: (the reader, the server, seconds per beat set)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hpc_train.node import beats
+    from hpc_train.launch.local import free_port
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    writer = dist.PrefixStore("hpc_train/beats/", dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30)))
+    t = time.perf_counter()
+    for r in range(world):
+        writer.set(str(r), repr(time.time()))
+    per_set = (time.perf_counter() - t) / world
+    reader = beats.StoreBeats("127.0.0.1", port, 0, "hpc_train/beats/", 0)
+    return reader, server, per_set
+
+
+def store_scan(reader, world: int) -> None:
+    from hpc_train.node import beats, watchdog
+    found = beats.stale(reader, list(range(1, world)), watchdog.limit_for(600.0), time.time() - 60)
+    if found is not None:
+        raise RuntimeError(f"the scan named rank {found[0]}")
+
+
 def _timed(fn):
     def one() -> float:
         t = time.perf_counter()
@@ -204,12 +235,11 @@ def ops_rows(ops, world: int, nodes: int) -> list[tuple[str, str, str]]:
     touches = sum(v for (k, c), v in ops.path_calls.items() if k == "heartbeat" and c.startswith("utime")) / w
     scans = sum(v for (k, c), v in ops.path_calls.items() if k == "heartbeat" and "stat" in c) / w
     other_beat = ops.per_s("path", "heartbeat") - touches - scans
-    scan_every = max(watchdog.BEAT_S, watchdog.limit_for(600.0) / 10)
     rows = [("TensorBoard events (rank 0)", ops.per_s("path", "tensorboard"), ops.per_s("path", "tensorboard")),
             ("metrics.jsonl (rank 0)", ops.per_s("path", "metrics"), ops.per_s("path", "metrics")),
-            (f"heartbeat touches (every rank every {watchdog.BEAT_S:g} s)", touches, touches / n * world),
-            (f"heartbeat scan (measured 1/s/rank; Slurm: every {scan_every:g} s)", scans, (world - 1) / scan_every),
-            ("heartbeat, other", other_beat, other_beat / n * world)]
+            ("heartbeat touches (a Run's beats go to the store)", touches, touches / n * world),
+            ("heartbeat scans (the launcher's: /proc; Slurm rank 0's: the store)", scans, scans / n * world),
+            ("rank records, other", other_beat, other_beat / n * world)]
     rows += [("rank 0's log", ops.per_s("path", "rank 0 log"), ops.per_s("path", "rank 0 log")),
              ("other ranks' logs", ops.per_s("path", "rank logs"),
               ops.per_s("path", "rank logs") / (n - 1) * (world - 1))]
@@ -219,7 +249,7 @@ def ops_rows(ops, world: int, nodes: int) -> list[tuple[str, str, str]]:
     out.append(("path ops/s on the run directory, all", f"{total_m:.2f}", f"{total_x:.1f}"))
     out.append(("  per node (target <= 1)", f"{total_m:.2f}", f"{total_x / nodes:.2f}"))
     out.append(("  of which heartbeats, per node", f"{touches + scans + other_beat:.2f}",
-                f"{(touches / n * world + (world - 1) / scan_every + other_beat / n * world) / nodes:.2f}"))
+                f"{(touches + scans + other_beat) / n * world / nodes:.2f}"))
     fd = sum(ops.per_s("fd", k) if k in ("tensorboard", "metrics", "rank 0 log") else
              ops.per_s("fd", k) / (n - 1) * (world - 1) if k == "rank logs" else ops.per_s("fd", k) / n * world
              for k in rundir_ops.KINDS)
@@ -261,8 +291,12 @@ def main() -> int:
             "status --goodput (in-process)": lambda: status(run_dir, True),
             "restore plan, sizes (rank 0 at a restart)": lambda: restore_plan(run_dir, False, a.steps),
             "restore plan, checksums (pre-launch)": lambda: restore_plan(run_dir, True, a.steps),
-            "watchdog scan (rank 0, ranks 1..N-1)": lambda: watchdog_scan(run_dir, a.ranks),
+            "watchdog scan, store (a Run's ranks)": lambda: store_scan(reader, a.ranks),
+            "watchdog scan, files (a --script's)": lambda: watchdog_scan(run_dir, a.ranks),
         }
+        reader, server, per_set = store_beats(a.ranks)
+        print(f"one beat (a set in the store over loopback): {per_set * 1e6:.0f} us; {a.ranks} ranks every "
+              f"{BEAT_S:g} s send the store {a.ranks / BEAT_S:.0f} sets a second")
         if not a.no_cli:
             parts["python -m hpc_train status RUN_DIR"] = lambda: _cli(["status", str(run_dir)], cli_env)
             parts["python -m hpc_train --help (start-up alone)"] = lambda: _cli(["--help"], cli_env)
@@ -294,6 +328,7 @@ def main() -> int:
                 print(f"| {what:<58} | {measured:>16} | {scaled:>21} |")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    del server
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     return reps.finish()
 

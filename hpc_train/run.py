@@ -95,7 +95,7 @@ class Run:
         self._leave_group = False   # the process ends through os._exit: close() leaves the group to it
         self._closed = False
         from hpc_train.node import hang
-        self._progress, self._hang_watch = hang.watch(cfg.dist, env, self.run_dir, start=session is not None)
+        self._progress, self._watches = hang.watch(cfg.dist, env, self.run_dir, session, owns_group)
 
     # -- what the loop asks ----------------------------------------------------------------
     def long_phase(self, name: str = "evaluation") -> contextlib.AbstractContextManager:
@@ -333,8 +333,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
-        if self._hang_watch is not None:
-            self._hang_watch.stop()
+        self._watches.stop()
         try:
             self._close()
         except BaseException:   # noqa: BLE001 - after a failure, a pending save's error must not hide it

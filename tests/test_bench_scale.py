@@ -17,7 +17,7 @@ def test_scale_benchmark_runs_small():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "64 ranks on 8 nodes, medians of 1" in r.stdout
     for part in ("hook gather + decide (preemption stop)", "status (in-process)", "status --goodput (in-process)",
-                 "restore plan, sizes", "restore plan, checksums", "watchdog scan"):
+                 "restore plan, sizes", "restore plan, checksums", "watchdog scan, store", "watchdog scan, files"):
         row = next((ln for ln in r.stdout.splitlines() if ln.startswith(f"| {part}")), None)
         assert row is not None and "(median of 1)" in row, (part, r.stdout)
-    assert "all 6 repetitions succeeded" in r.stdout
+    assert "all 7 repetitions succeeded" in r.stdout

@@ -237,7 +237,7 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     # train on as orphans; it stops them like the first Ctrl-C.
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
-        failed = _watch(procs, run_dir, hang_s, started)
+        failed = _watch(procs, run_dir, hang_s, started, script)
     finally:
         from hpc_train.records import result
         finished = result.written_since(run_dir, started)
@@ -269,7 +269,22 @@ def _remove_local_tier(config_path: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started: float) -> tuple[int, int | None] | None:
+def _frozen(procs: list[subprocess.Popen], run_dir: Path, alive: list[int], limit_s: float, started: float,
+            script: bool) -> tuple[int, float | None] | None:
+    """A worker that stopped responding: one whose process is stopped (this host's kernel says
+    so), or, for a ``--script``'s supervisors (which beat on their records,
+    :mod:`hpc_train.node.beats`), one whose heartbeat is older than ``limit_s``. A Run's ranks
+    beat through the rendezvous store, which this process (torch-free) does not read: their own
+    hang watch names a silent peer, and its rank's failure brings this check round."""
+    from hpc_train.node import watchdog
+    for r in alive:
+        if watchdog.stopped(procs[r].pid):
+            return r, None
+    return watchdog.stale(run_dir, alive, limit_s, started) if script else None
+
+
+def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started: float,
+           script: bool = False) -> tuple[int, int | None] | None:
     """Until every worker exited: the first failure, (rank, exit code; None for a rank that
     stopped responding), after which the others are ended (SIGTERM, SIGKILL after a grace)."""
     from hpc_train.node import watchdog
@@ -284,7 +299,7 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
             if dead:
                 # A peer that froze makes the others fail in their collectives: name it, not them.
                 alive = [r for r, p in enumerate(procs) if p.poll() is None]
-                frozen = watchdog.stale(run_dir, alive, 3 * watchdog.BEAT_S, started)
+                frozen = _frozen(procs, run_dir, alive, 3 * watchdog.BEAT_S, started, script)
                 rank = _culprit(run_dir, dead) if frozen is None else frozen[0]
                 failed = (rank, procs[rank].returncode if frozen is None else None)
                 if frozen is not None:
@@ -294,7 +309,7 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
         if failed is None and time.monotonic() >= next_check:
             next_check = time.monotonic() + 1.0
             alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
-            hung = watchdog.stale(run_dir, alive, watchdog.limit_for(hang_s), started)
+            hung = _frozen(procs, run_dir, alive, watchdog.limit_for(hang_s), started, script) if script else None
             if hung is not None:
                 _name_frozen(run_dir, procs, *hung)
                 failed = (hung[0], None)

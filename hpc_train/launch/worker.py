@@ -45,7 +45,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     s = session.begin(cfg, rd, own_process=True, escalate=not script)
     env = s.env
     try:
-        session.claim(s, lock=env.rank == 0 and not session.launcher_holds_lock())
+        session.claim(s, lock=env.rank == 0 and not session.launcher_holds_lock(), beat_files=script)
         if s.finished is not None:
             # A finished run never trains again, whether requeued or resubmitted.
             log.info("%s holds a finished run (result.json); not training again", rd)

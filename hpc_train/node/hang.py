@@ -44,7 +44,7 @@ from pathlib import Path
 from hpc_train import rundir
 from hpc_train.config import DistSection
 from hpc_train.config_rules import hang_timeout
-from hpc_train.node import watchdog
+from hpc_train.node import beats, watchdog
 from hpc_train.node.environment import NodeEnv
 
 K = 10              # x the p99 step time
@@ -112,8 +112,9 @@ class Progress:
 class HangWatch:
     """The thread that ends a hung step (see the module docstring)."""
 
-    def __init__(self, progress: Progress, run_dir: Path, rank: int, world_size: int, job_step: str | None) -> None:
-        self.progress, self.run_dir, self.rank, self.world_size = progress, Path(run_dir), rank, world_size
+    def __init__(self, progress: Progress, beating: beats._Beater, run_dir: Path, rank: int, world_size: int,
+                 job_step: str | None) -> None:
+        self.progress, self.beats, self.run_dir, self.rank, self.world_size = progress, beating, Path(run_dir), rank, world_size
         self.job_step = job_step         # JOB.STEP under Slurm: peers elsewhere are signalled through it
         self._stop = threading.Event()
         self._started = time.time()
@@ -129,7 +130,7 @@ class HangWatch:
     def _loop(self) -> None:
         warned = frozen_here = False
         peers = [r for r in range(self.world_size) if r != self.rank]
-        last = time.monotonic()
+        last = recheck = time.monotonic()
         while not self._stop.wait(CHECK_S):
             stalled, phase, step, limit, why = self.progress.state()
             now = time.monotonic()
@@ -142,7 +143,16 @@ class HangWatch:
                 continue
             if frozen_here:
                 continue
-            frozen = watchdog.stale(self.run_dir, peers, 3 * watchdog.BEAT_S, self._started)
+            if warned and now < recheck:
+                continue
+            try:
+                frozen = beats.stale(self.beats, peers, 3 * beats.BEAT_S, self._started)
+            except beats.Silent as e:      # torchrun's agent store: nobody to name, nothing learnt
+                log.warning("%s", e)
+                frozen = None
+            # Every rank of a stalled collective reads every peer's beat: at thousands of ranks,
+            # not every second (one read is a key per rank from one store server).
+            recheck = now + max(5.0, self.world_size / 100)
             if self._stop.is_set():
                 return
             if frozen is not None or self.progress.fixed_s is not None:
@@ -200,14 +210,34 @@ class HangWatch:
                     pass
 
 
-def watch(d: DistSection, env: NodeEnv, run_dir: Path, start: bool) -> tuple[Progress, HangWatch | None]:
-    """A Run's progress, and its hang watch, started when the Run holds a run directory."""
+class Watches:
+    """A Run's heartbeat (:mod:`hpc_train.node.beats`), its hang watch and, on rank 0 of a Slurm
+    step, the heartbeat watchdog: stopped together when the Run closes."""
+
+    def __init__(self, beating: beats._Beater | None, hang: HangWatch | None) -> None:
+        self.beats, self.hang = beating, hang
+
+    def stop(self) -> None:
+        for part in (self.hang, self.beats):
+            if part is not None:
+                part.stop()
+
+
+def watch(d: DistSection, env: NodeEnv, run_dir: Path, session, owns_group: bool) -> tuple[Progress, Watches]:
+    """A Run's progress, and, when the Run holds a run directory (``session``), its heartbeat
+    and watches, started."""
     long_s = watchdog.limit_for(d.timeout_s)
     progress = Progress(hang_timeout(d.hang_timeout_s, d.timeout_s, d.hang_floor_s), d.hang_floor_s or min(FLOOR_S, long_s), long_s)
+    # Alone, a rank has no peer to name and no collective to wait in.
+    beating = beats.for_run(env, run_dir, owns_group) if session is not None else None
+    if beating is None:
+        return progress, Watches(None, None)
+    watchdog.use_beats(beating)
+    from hpc_train.node.session import watch_slurm
+    watch_slurm(session, beating)
     step = os.environ.get("SLURM_STEP_ID")
     job_step = f"{env.job_id}.{step}" if env.job_id and step else None
-    start = start and env.world_size > 1     # alone, a rank has no peer to name and no collective to wait in
-    return progress, (HangWatch(progress, run_dir, env.rank, env.world_size, job_step).start() if start else None)
+    return progress, Watches(beating, HangWatch(progress, beating, run_dir, env.rank, env.world_size, job_step).start())
 
 
 def _at(phase: str, step: int | None) -> str:

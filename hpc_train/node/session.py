@@ -37,6 +37,7 @@ from hpc_train.logs import setup_logging
 from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.stops import StopRequest, stop_signals
+from hpc_train.records import ranks
 from hpc_train.records import result as result_record
 from hpc_train.records import stop as stop_record
 
@@ -124,9 +125,11 @@ def begin(cfg: Config, run_dir: Path, *, own_process: bool, escalate: bool,
     return session
 
 
-def claim(session: Session, *, lock: bool) -> None:
+def claim(session: Session, *, lock: bool, beat_files: bool = False) -> None:
     """Steps 3-5: the lock (``lock``: this process takes it; the local launcher holds its own),
-    a finished run (``session.finished``; nothing else is done then), the heartbeat. Raises
+    a finished run (``session.finished``; nothing else is done then), this rank's record, and,
+    with ``beat_files`` (a ``--script``'s supervisor), its heartbeat on that record (a Run beats
+    through the store once its group is up: :mod:`hpc_train.node.beats`). Raises
     :class:`UsageError` for a busy run directory, naming the holder."""
     s, env, res = session, session.env, session._resources
     try:
@@ -138,13 +141,23 @@ def claim(session: Session, *, lock: bool) -> None:
         s.finished = finished_result(s.run_dir)
         if s.finished is not None:
             return
-        res.callback(watchdog.Heartbeat(s.run_dir, env.rank, env.world_size).start().stop)
-        step = os.environ.get("SLURM_STEP_ID")
-        if s.own_process and env.rank == 0 and env.job_id and step is not None and env.world_size > 1:
-            watchdog.watch_slurm_job(s.run_dir, env.world_size, s.cfg.dist.timeout_s, f"{env.job_id}.{step}")
+        ranks.begin(s.run_dir, env.rank, env.world_size)
+        if beat_files:
+            from hpc_train.node import beats
+            reader = beats.FileBeats(s.run_dir, env.rank).start()
+            res.callback(reader.stop)
+            watch_slurm(s, reader)
     except BaseException:
         res.close()
         raise
+
+
+def watch_slurm(s: Session, reader) -> None:
+    """Rank 0 of a job step of hpc_train's own worker, more than one rank: the watchdog that ends
+    the step when a peer stops beating on ``reader`` (:func:`watchdog.watch_slurm_job`)."""
+    env, step = s.env, os.environ.get("SLURM_STEP_ID")
+    if s.own_process and env.rank == 0 and env.job_id and step is not None and env.world_size > 1:
+        watchdog.watch_slurm_job(s.run_dir, env.world_size, s.cfg.dist.timeout_s, f"{env.job_id}.{step}", reader)
 
 
 def prelaunch(s: Session, resume: str, signature: dict[str, Any] | None = None) -> None:

@@ -1,9 +1,9 @@
-"""Heartbeats, and the watchdog that names a rank that stopped responding. No torch here.
+"""The watchdog that names a rank that stopped responding. No torch here.
 
 A collective timeout says only that *some* peer is missing, and every survivor reports it, so the
 culprit goes unnamed (NCCL's maintainers: there is no such feature; pytorch #118369). Here every
-task runs a daemon thread that touches its record (``logs/.heartbeat/rank-R``, :mod:`hpc_train.records.ranks`)
-every :data:`BEAT_S` seconds.
+task runs a daemon thread that beats every :data:`BEAT_S` seconds (:mod:`hpc_train.node.beats`:
+through the rendezvous store, or a ``--script``'s supervisor on its record).
 The thread beats while the main thread computes, reads a checkpoint or waits in a collective
 (those release the GIL), so a slow rank is never blamed; a rank that is stopped (SIGSTOP), frozen
 in the kernel, or stuck holding the GIL stops beating. The watcher, the local ``run`` launcher or
@@ -26,48 +26,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpc_train import rundir
+from hpc_train.node import beats
+from hpc_train.node.beats import BEAT_S
 from hpc_train.records import ranks
 from hpc_train.records.ranks import StepId
 
 log = logging.getLogger("hpc_train")
-BEAT_S = 2.0
+_reader: beats._Beater | None = None     # this process's Run's heartbeat, once it has one (use_beats)
 # A real-time signal nobody else uses: SIGUSR1/2 may be the job's stop signal (and NCCL's).
 DUMP_SIGNAL = signal.SIGRTMIN + 7
 _dump_file = None      # kept open: faulthandler writes to its file descriptor from a signal handler
 
 
-# Held while the heartbeat thread touches its file, and by a fork (data-loader workers fork the
-# training process): a child must never be made while that thread is inside a C call that may
-# hold an allocator or filesystem lock, which the child would inherit locked and hang on.
-_beat_lock = threading.Lock()
-os.register_at_fork(before=_beat_lock.acquire, after_in_parent=_beat_lock.release,
-                    after_in_child=_beat_lock.release)
-
-
-class Heartbeat:
-    """This rank's record (:mod:`hpc_train.records.ranks`), touched every :data:`BEAT_S` s."""
-
-    def __init__(self, run_dir: Path, rank: int, world_size: int | None = None) -> None:
-        self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
-        self.path = ranks.path(run_dir, rank)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="hpc_train-heartbeat", daemon=True)
-
-    def start(self) -> Heartbeat:
-        ranks.begin(self.run_dir, self.rank, self.world_size)
-        self._thread.start()
-        return self
-
-    def _beat(self) -> None:
-        while not self._stop.wait(BEAT_S):
-            with _beat_lock:
-                try:
-                    ranks.touch(self.path)
-                except OSError:      # a full or vanished disk must not kill the task from here
-                    pass
-
-    def stop(self) -> None:
-        self._stop.set()
+def use_beats(reader: beats._Beater | None) -> None:
+    """The heartbeat channel this process's peers beat on, for :func:`lost_peer` (None: the files)."""
+    global _reader
+    _reader = reader
 
 
 def launch_id() -> str:
@@ -124,6 +98,7 @@ def lost_peer(run_dir: Path, world_size: int, rank: int, error: str = "", wait_s
     deadline = time.time() + wait_s
     me = socket.gethostname()
     addrs = set(_PEER_ADDR.findall(error))
+    elsewhere: dict[int, float | None] | None = None
     while True:
         now = time.time()
         recs = {r: h for r in range(world_size) if r != rank and (h := _of_this_launch(run_dir, r)) is not None
@@ -137,9 +112,15 @@ def lost_peer(run_dir: Path, world_size: int, rank: int, error: str = "", wait_s
             return f"rank {there[0]} (pid {h.pid} on {h.node}) dropped its connection"
         if there:
             return f"a rank on {recs[there[0]].node} (ranks {', '.join(map(str, there))}) dropped its connection"
-        for r, h in recs.items():
-            age = ranks.age(run_dir, r, now) if h.host != me else None
+        if elsewhere is None:     # read once: a frozen store takes beats.READ_WAIT_S to say so
+            far = [r for r, h in recs.items() if h.host != me]
+            try:
+                elsewhere = _reader.ages(far, now) if far and _reader is not None else {}
+            except beats.Silent:
+                elsewhere = {}
+        for r, age in elsewhere.items():
             if age is not None and age > 2 * BEAT_S + 1:
+                h = recs[r]
                 return f"rank {r} (pid {h.pid} on {h.node}) stopped beating {age:.0f}s ago"
         if now >= deadline:
             return None
@@ -230,26 +211,31 @@ def holder(run_dir: Path, rank: int) -> tuple[str, int | None]:
 
 
 def stale(run_dir: Path, rank_list: list[int], limit_s: float, since: float) -> tuple[int, float] | None:
-    """The rank whose heartbeat is oldest, if older than ``limit_s``; a rank that has not
-    written one yet counts from ``since`` (its start)."""
-    now = time.time()
-    worst: tuple[int, float] | None = None
-    for r in rank_list:
-        beat = ranks.age(run_dir, r, now)
-        age = now - since if beat is None else min(beat, now - since)
-        if age > limit_s and (worst is None or age > worst[1]):
-            worst = (r, age)
-    return worst
+    """:func:`hpc_train.node.beats.stale` over the ranks' records (the file channel: a
+    ``--script``'s supervisors)."""
+    return beats.stale(beats.FileBeats(run_dir, -1), rank_list, limit_s, since)
 
 
-def describe(run_dir: Path, rank: int, age: float) -> str:
+def describe(run_dir: Path, rank: int, age: float | None) -> str:
+    """``age``: how old its heartbeat is; None: its process was seen stopped (:func:`stopped`)."""
     host, pid = holder(run_dir, rank)
-    return (f"rank {rank} (pid {pid} on {host}) stopped responding: no heartbeat for {age:.0f}s; "
-            f"its Python stack is in {rundir.rank_log(run_dir, rank)}")
+    how = "its process is stopped (SIGSTOP, or a debugger)" if age is None else f"no heartbeat for {age:.0f}s"
+    return f"rank {rank} (pid {pid} on {host}) stopped responding: {how}; its Python stack is in {rundir.rank_log(run_dir, rank)}"
 
 
-def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str) -> threading.Thread:
-    """Rank 0 of a Slurm job: a thread that ends the step when a peer stops beating.
+def stopped(pid: int) -> bool:
+    """The process is stopped (state T: SIGSTOP, SIGTSTP; t: a debugger holds it), as this host's
+    kernel says: what the local launcher asks of its own workers, with no heartbeat to read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str,
+                    reader: beats._Beater) -> threading.Thread:
+    """Rank 0 of a Slurm job: a thread that ends the step when a peer stops beating on ``reader``.
 
     The peers' processes are on other nodes: their stacks are asked for through Slurm (the dump
     signal, then SIGCONT for a stopped process), then this process exits non-zero and
@@ -261,7 +247,10 @@ def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str) 
     def loop() -> None:
         while True:
             time.sleep(max(BEAT_S, limit_s / 10))
-            found = stale(run_dir, list(range(1, world)), limit_s, since)
+            try:
+                found = beats.stale(reader, list(range(1, world)), limit_s, since)
+            except beats.Silent:
+                continue          # torchrun's agent store: the agent's own watch covers it
             if found is None:
                 continue
             msg = describe(run_dir, *found)

@@ -1,0 +1,190 @@
+"""Heartbeats: each rank says every :data:`BEAT_S` seconds that it is alive, and a watcher reads
+how long ago each peer last did. Torch only inside :class:`StoreBeats`.
+
+Two channels, one per kind of process:
+
+* :class:`StoreBeats`, every rank of hpc_train's own process group (the built-in trainer, ``--fn``,
+  a loop through ``Run``, under ``run``, Slurm, torchrun or a plain launch): a key per rank in
+  the rendezvous store (``TCPStore``) every rank is already connected to. The store is the one
+  channel that already reaches every rank across nodes, so a watcher on one node learns of a
+  peer frozen on another without reading that node's files, and the shared file system gets no
+  liveness traffic at all: 4096 ranks beating every 2 s are ~2000 small ``set`` requests a second
+  to one store server (a ``TCPStore`` serves tens of thousands), where they were ~2000 metadata
+  operations a second on Lustre's or NFS's metadata server (issue 32). On NFS a file's mtime as
+  another client sees it may also lag by the attribute-cache time, so an mtime could not be
+  trusted across nodes anyway. A beat holds the writer's wall clock; the reader compares it
+  with its own, which assumes the nodes' clocks agree within a few seconds (NTP; Slurm's
+  munge credentials need that much too).
+* :class:`FileBeats`, a ``--script``'s supervising worker and a script that set up its own process
+  group (no store of hpc_train's to reach): the rank's record (``logs/.heartbeat/rank-R``,
+  :mod:`hpc_train.records.ranks`), touched, as before this change.
+
+Hazard: a ``TCPStore`` whose server is frozen (rank 0 stopped with SIGSTOP hosts it, unless
+torchrun's agent does) blocks every request, with no timeout, even a new connection's (its
+kernel still accepts). So a read runs on a thread of its own and is given up after
+:data:`READ_WAIT_S`: the store's host is then the culprit (:class:`Silent`). The beating thread
+may block the same way; nothing waits on it (it is a daemon, and the fork lock of the file
+channel is not taken around it: a data loader's fork would wait as long as the store is frozen).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from hpc_train.records import ranks
+
+log = logging.getLogger("hpc_train")
+BEAT_S = 2.0
+READ_WAIT_S = 5.0        # a store that does not answer a read in this long is frozen or gone
+
+# Held while the file channel touches its file, and by a fork (data-loader workers fork the
+# training process): a child must never be made while that thread is inside a C call that may
+# hold an allocator or filesystem lock, which the child would inherit locked and hang on.
+_beat_lock = threading.Lock()
+os.register_at_fork(before=_beat_lock.acquire, after_in_parent=_beat_lock.release,
+                    after_in_child=_beat_lock.release)
+
+
+class Silent(Exception):
+    """The store did not answer: ``host_rank`` is the rank whose process hosts it (None: torchrun's
+    agent hosts it, no rank to blame)."""
+
+    def __init__(self, what: str, host_rank: int | None) -> None:
+        super().__init__(what)
+        self.host_rank = host_rank
+
+
+class _Beater:
+    """A daemon thread that calls ``self._beat()`` every :data:`BEAT_S` seconds until stopped."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hpc_train-heartbeat", daemon=True)
+
+    def start(self):
+        self._beat()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            self._beat()
+
+    def _beat(self) -> None:
+        raise NotImplementedError
+
+    def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
+        """Seconds since each rank last beat; None for one that never did."""
+        raise NotImplementedError
+
+
+class FileBeats(_Beater):
+    """The rank's record, touched (see the module docstring for who uses it)."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        super().__init__()
+        self.run_dir, self.rank = Path(run_dir), rank
+        self._path = ranks.path(run_dir, rank)
+
+    def _beat(self) -> None:
+        with _beat_lock:
+            try:
+                ranks.touch(self._path)
+            except OSError:      # a full or vanished disk must not kill the task from here
+                pass
+
+    def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
+        now = time.time() if now is None else now
+        return {r: ranks.age(self.run_dir, r, now) for r in rank_list}
+
+
+class StoreBeats(_Beater):
+    """A key per rank in the rendezvous store, through a connection of its own: the process
+    group's connection may be held by a long ``wait`` of the main thread (a barrier, a sub-group's
+    rendezvous), which would hold the beats up behind it."""
+
+    def __init__(self, addr: str, port: int, rank: int, prefix: str, host_rank: int | None) -> None:
+        super().__init__()
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        self.rank, self.host_rank, self.where = rank, host_rank, f"{addr}:{port}"
+        client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False,
+                               use_libuv=True)
+        self._store = dist.PrefixStore(prefix, client)
+        self._failed = False
+
+    def _beat(self) -> None:
+        if self._failed:
+            return
+        try:
+            self._store.set(str(self.rank), repr(time.time()))
+        except Exception:  # noqa: BLE001 - the store is gone (its host exited): the run is ending
+            self._failed = True
+
+    def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
+        got: dict[str, object] = {}
+
+        def read() -> None:
+            keys = [str(r) for r in rank_list]
+            try:
+                if self._store.check(keys):
+                    got["v"] = dict(zip(keys, self._store.multi_get(keys)))
+                else:
+                    got["v"] = {k: self._store.get(k) for k in keys if self._store.check([k])}
+            except Exception as e:  # noqa: BLE001 - a store that went away
+                got["e"] = e
+        t = threading.Thread(target=read, name="hpc_train-beats-read", daemon=True)
+        t.start()
+        t.join(READ_WAIT_S)
+        if "v" not in got:
+            why = f"failed: {str(got['e']).splitlines()[0][:200]}" if "e" in got else f"did not answer in {READ_WAIT_S:.0f}s"
+            raise Silent(f"the rendezvous store at {self.where} {why}", self.host_rank)
+        now = time.time() if now is None else now
+        vals: dict[str, bytes] = got["v"]   # type: ignore[assignment]
+        return {r: max(0.0, now - float(vals[str(r)])) if str(r) in vals else None for r in rank_list}
+
+
+def for_run(env, run_dir: Path, owns_group: bool):
+    """This rank's heartbeat for a Run (started), or None alone. Through the store when the
+    Run's own process group has one to reach (``MASTER_ADDR:MASTER_PORT``), else the file."""
+    if env.world_size <= 1:
+        return None
+    if owns_group and env.master_addr and env.master_port:
+        # torchrun's agent store outlives its attempts: a prefix per attempt, as the group's.
+        prefix = f"hpc_train/beats/attempt-{env.restart_count}/" if env.agent_store else "hpc_train/beats/"
+        try:
+            return StoreBeats(env.master_addr, env.master_port, env.rank, prefix,
+                              None if env.agent_store else 0).start()
+        except Exception as e:  # noqa: BLE001 - the group just met through this store; say it, beat on files
+            log.warning("heartbeats through the rendezvous store failed (%s); beating on the run directory's "
+                        "files instead", str(e).splitlines()[0][:200])
+    return FileBeats(run_dir, env.rank).start()
+
+
+def stale(beats: _Beater, rank_list: list[int], limit_s: float, since: float) -> tuple[int, float] | None:
+    """The rank whose heartbeat is oldest, if older than ``limit_s``; a rank that has not beaten
+    yet counts from ``since`` (the watcher's start). A store that does not answer names its host
+    (see :class:`Silent`), as old as the watch itself; with no rank to blame it is raised."""
+    now = time.time()
+    try:
+        ages = beats.ages(rank_list, now)
+    except Silent as e:
+        if e.host_rank is not None and e.host_rank in rank_list:
+            log.warning("%s: its host, rank %d, is frozen or gone", e, e.host_rank)
+            return e.host_rank, READ_WAIT_S      # at least that long: how long it did not answer
+        raise
+    worst: tuple[int, float] | None = None
+    for r in rank_list:
+        beat = ages[r]
+        age = now - since if beat is None else min(beat, now - since)
+        if age > limit_s and (worst is None or age > worst[1]):
+            worst = (r, age)
+    return worst
