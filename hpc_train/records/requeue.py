@@ -2,7 +2,8 @@
 
 ``requeue.json`` is the history the budgets are counted from, across every incarnation of the
 job: one :class:`Requeue` per stop or failure that asked to go back to the queue (``requeued``:
-whether it went), one :class:`InPlace` per job step started again inside the allocation, and
+whether it went), one :class:`InPlace` per job step started again inside the allocation (after
+a failure, or with a straggler's node swapped for a spare: ``swaps`` counts those), and
 ``final``, the line of a stop whose budget was spent. A run of the job that went back to the
 queue without the hook (a script's own ``scontrol requeue``, such as Lightning's auto-requeue, or
 an administrator's) is counted too, once the hook sees it in ``sacct`` (``by: outside``). Counts are never stored as the truth: a
