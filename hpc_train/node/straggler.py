@@ -135,7 +135,6 @@ class Stragglers:
                 log.info("straggler: rank %d on %s is back within %.1fx of the others at step %d", r,
                          _node(self.run_dir, r), self.ratio, step)
 
-
     def _due(self) -> tuple[int, str] | None:
         """(rank, node) of the slowest rank named for the whole window, if its node is known."""
         now, last = time.monotonic(), self._history[-1] if self._history else None
