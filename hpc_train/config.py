@@ -30,7 +30,7 @@ import yaml
 
 from hpc_train import config_local, rundir
 from hpc_train.config_rules import (OPT_LEVELS, STRATEGIES, check_launch, hang_timeout,  # noqa: F401 (re-exported)
-                                    resolve_precision, time_minutes)
+                                    resolve_precision, stragglers, time_minutes)
 from hpc_train.config_yaml import IMPORT_RE, coerce, parse_value, read_file
 from hpc_train.errors import UsageError, closest, show
 from hpc_train.rundir import write_atomic
@@ -83,6 +83,9 @@ class JobSection:
     # the run go on with fewer nodes, resharded, when no spare is left.
     spare_nodes: int = _f(0, min=0)
     min_nodes: int = _f(0, min=0)
+    # A rank named slow (dist.straggler_*) for dist.straggler_window_s: checkpoint, end the step and
+    # restart it in place with its node swapped for a spare (needs spare_nodes >= 1).
+    replace_stragglers: bool = _f(False)
 
 
 @dataclass
@@ -104,6 +107,7 @@ class DistSection:
     # median is named (0: off); see hpc_train/node/straggler.py.
     straggler_every_steps: int = _f(50, min=0)
     straggler_ratio: float = _f(1.3, min=1, max=1000)
+    straggler_window_s: float = _f(300.0, min=0, max=_WEEK)   # named this long: swapped (job.replace_stragglers)
 
 
 @dataclass
@@ -344,9 +348,7 @@ def validate(cfg: Config) -> Config:
                          "overflow check sees only this rank's gradient shards, so ranks could disagree on "
                          "skipping a step; use train.precision=bf16 with fsdp")
     hang_timeout(cfg.dist.hang_timeout_s, cfg.dist.timeout_s, cfg.dist.hang_floor_s)
-    if cfg.dist.straggler_ratio <= 1:
-        raise UsageError(f"config: dist.straggler_ratio={cfg.dist.straggler_ratio:g} names every rank; valid: above 1 "
-                         f"(1.3: 30% slower than the median rank)")
+    stragglers(cfg.job, cfg.dist)
     if cfg.train.fn and not IMPORT_RE.match(cfg.train.fn):
         raise UsageError(f"config: train.fn must be an import path 'package.module:function', got {cfg.train.fn!r}")
     config_local.check(cfg.checkpoint)

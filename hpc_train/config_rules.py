@@ -69,3 +69,22 @@ def hang_timeout(value: str, timeout_s: float, floor_s: float) -> float | None:
         raise UsageError(f"config: dist.hang_floor_s={floor_s:g} is above dist.timeout_s={timeout_s:g}, "
                          f"which ends a stuck collective first; valid: 0 (auto) to {timeout_s:g}")
     return fixed
+
+
+def stragglers(job, dist) -> None:
+    """The straggler settings (see :mod:`hpc_train.node.straggler`): a ratio above 1, a window of
+    positive seconds, and a swap only with a spare to swap in and a gathering to name a rank."""
+    if dist.straggler_ratio <= 1:
+        raise UsageError(f"config: dist.straggler_ratio={dist.straggler_ratio:g} names every rank; valid: above 1 "
+                         f"(1.3: 30% slower than the median rank)")
+    if not dist.straggler_window_s > 0:
+        raise UsageError(f"config: dist.straggler_window_s={dist.straggler_window_s:g}; valid: seconds above 0 "
+                         f"(300: a rank named slow for 5 minutes is swapped, with job.replace_stragglers)")
+    if job.replace_stragglers and job.spare_nodes < 1:
+        raise UsageError(f"config: job.replace_stragglers=true needs a spare node to swap in, but "
+                         f"job.spare_nodes={job.spare_nodes}; valid: job.spare_nodes >= 1, or "
+                         f"job.replace_stragglers=false")
+    if job.replace_stragglers and dist.straggler_every_steps < 1:
+        raise UsageError("config: job.replace_stragglers=true needs the ranks' step times, but "
+                         "dist.straggler_every_steps=0 turns their gathering off; valid: dist.straggler_every_steps "
+                         ">= 1, or job.replace_stragglers=false")

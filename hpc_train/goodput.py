@@ -176,14 +176,14 @@ def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, fl
     return len(later), max(0.0, last - start), last
 
 
-def _restarted_in_place(run_dir: Path, segments: list) -> bool:
-    """This process starts a job step restarted in place: the batch shell's hook recorded an
-    in-place restart (``requeue.json``) after the previous segment began."""
+def _restarted_in_place(run_dir: Path, segments: list):
+    """The in-place restart (``requeue.json``'s entry) that started this process's job step: the
+    batch shell's hook recorded it after the previous segment began; None when there is none."""
     prev = segments[-1].get("start") if segments and isinstance(segments[-1], dict) else None
     if not _is_num(prev):
-        return False
+        return None
     from hpc_train.records import requeue
-    return any(e.time > prev for e in requeue.read(run_dir).in_place)
+    return next((e for e in reversed(requeue.read(run_dir).in_place) if e.time > prev), None)
 
 
 class Ledger:
@@ -205,8 +205,11 @@ class Ledger:
                                     "save_block_s": 0.0, "redone_s": 0.0, "redone_steps": 0, "step_from": None,
                                     "step_to": None, "closed": False,
                                     "marks": {"process": round(own_start_time(), 3)}}
-        if _restarted_in_place(self.run_dir, self.rec["segments"]):
+        restart = _restarted_in_place(self.run_dir, self.rec["segments"])
+        if restart is not None:
             self.seg["in_place"] = True
+            if restart.swap:    # a straggler's node swapped for a spare (issue 31): its recovery is the swap's cost
+                self.seg["swap"] = " -> ".join(restart.swap)
         self.rec["segments"].append(self.seg)
 
     def restored(self, step: int, load_s: float) -> None:
@@ -329,6 +332,7 @@ def _breakdown(rec: dict[str, Any], now: float) -> dict[str, Any] | None:
     wall = prev_end - first
     return {"wall_s": wall, "parts": parts, "runs": len(segs),
             "redone_steps": sum(int(s.get("redone_steps") or 0) for s in segs),
+            "swaps": [str(s["swap"]) for s in segs if s.get("swap")],
             "stepped": any(s.get("first_step") for s in segs)}
 
 
@@ -368,5 +372,6 @@ def table(run_dir: Path) -> str:
     for k, v in b["parts"].items():
         rows.append(f"{k:<14}{v:>10.1f}{100 * v / max(b['wall_s'], 1e-9):>8.1f}%")
     rows.append(f"{'wall':<14}{b['wall_s']:>10.1f}{100.0:>8.1f}%")
-    rows.append(f"runs: {b['runs']}; steps redone after a restart: {b['redone_steps']}")
+    swaps = f"; straggler swaps: {len(b['swaps'])} ({', '.join(b['swaps'])})" if b["swaps"] else ""
+    rows.append(f"runs: {b['runs']}; steps redone after a restart: {b['redone_steps']}{swaps}")
     return "\n".join(rows)

@@ -44,11 +44,14 @@ def request_for_stop(job, env, run_dir: Path, step: int | None, stop) -> str:
     name = (getattr(stop, "name", "") or "").removeprefix("SIG")
     here = StepId.from_env()
     target = env.requeue_target or ""
+    swap = getattr(stop, "swap", None)    # (rank, node) of a straggler stop: the hook swaps the node
     record.write_pending(Path(run_dir), record.Pending(target, step, name, received, here.job,
-                                                       here.restart, here.attempt))
+                                                       here.restart, here.attempt, swap and swap[1],
+                                                       swap and swap[0]))
     at = "an unknown step" if step is None else f"step {step}"
     # No cause here: srun's SIGTERM after a peer died looks the same from this rank as the
     # scheduler's stop. The hook, which sees every rank's record, says what it was.
-    msg = f"stopped by SIG{name} at {at}; asked the batch shell's requeue hook to decide what follows for {target}"
+    why = f"to swap {swap[1]} (rank {swap[0]}'s node, a straggler) for a spare" if swap else f"by SIG{name}"
+    msg = f"stopped {why} at {at}; asked the batch shell's requeue hook to decide what follows for {target}"
     logging.getLogger("hpc_train").warning("%s (%.1fs after the signal)", msg, time.time() - received)
     return msg

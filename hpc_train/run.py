@@ -68,8 +68,7 @@ class Run:
         self._multi = dist.is_initialized() and env.world_size > 1
         self._agreement = Agreement(self._multi, self._flags)
         from hpc_train.node.straggler import Stragglers
-        self._stragglers = Stragglers(cfg.dist.straggler_every_steps, cfg.dist.straggler_ratio, env.rank,
-                                      env.world_size, self._multi, self.run_dir)
+        self._stragglers = Stragglers.of(cfg, env, self._multi, self.run_dir)   # named, and swapped (job.*)
         self._agreement.on_last_bucket = self._stragglers.enter
         self._wrapped = None     # strategies.Wrapped, once wrap() ran
         self._replicated: nn.Module | None = None
@@ -283,7 +282,7 @@ class Run:
             local.save(state, step, kinds)
         if stop:
             self._on_stop(step)
-        spread = self._stragglers.left(step, self.device)
+        spread = self._stragglers.left(step, self.device, None if stop else self.stop)
         if spread is not None:
             self._report.aside(step, spread, self.total_steps, self._start_step)
         return stop

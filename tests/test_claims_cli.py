@@ -180,11 +180,17 @@ def test_a_script_path_with_a_newline_is_refused_in_one_line(tmp_path, cmd):
     ("dist.straggler_ratio=fast", "dist.straggler_ratio"),
     ("dist.straggler_every_steps=-1", "dist.straggler_every_steps"),
     ("dist.straggler_every_steps=ten", "dist.straggler_every_steps"),
+    ("dist.straggler_window_s=0", "dist.straggler_window_s=0; valid: seconds above 0"),
+    ("dist.straggler_window_s=-5", "dist.straggler_window_s"),
+    ("dist.straggler_window_s=soon", "dist.straggler_window_s"),
+    ("job.replace_stragglers=true", "job.replace_stragglers=true needs a spare node to swap in, but job.spare_nodes=0"),
+    ("job.replace_stragglers=yes please", "job.replace_stragglers"),
 ])
 @pytest.mark.parametrize("cmd", ["run", "sbatch"])
 def test_bad_liveness_settings_are_one_line_and_nothing_is_written(tmp_path, cmd, setting, named):
     """Issue 32: a hang timeout <= 0 or not a number, or a floor above dist.timeout_s; issue 31:
-    a straggler ratio <= 1 or not a number, a negative or non-numeric gathering period."""
+    a straggler ratio <= 1 or not a number, a negative or non-numeric gathering period, a window
+    <= 0 or not a number, a swap of stragglers without a spare node or with a value not a boolean."""
     rd = tmp_path / "run"
     extra = ["--nproc", "1"] if cmd == "run" else ["-o", tmp_path / "job.sbatch"]
     one_line_exit2(hpc(cmd, "jobs/digits.yaml", "--run-dir", rd, *extra, "--set", setting), named)

@@ -14,6 +14,10 @@ The decisions, in order:
   into a failure, with one exception: SIGTERM while a rank of the step failed is ``srun
   --kill-on-bad-exit`` ending the others after that rank died (the job's own signal is never
   srun's), so it is that rank's failure;
+* a **straggler swap** (rank 0 stopped the step, with its checkpoint, because a rank was slow
+  for ``dist.straggler_window_s``): restarted in place at the same world size with a spare in
+  place of the slow rank's node, charging no budget; at most one swap per window; where no spare
+  is up (or Slurm's view is unknown), restarted where it ran; near the time limit, the limit's stop;
 * a **failure** (a rank exited non-zero, died, or never wrote its record): restarted **in place**
   while ``job.restarts_in_place`` lasts (a restart without a newer checkpoint than the last one's
   costs 2), with time to be stopped again (never in the last ``signal_lead`` seconds) and nodes
@@ -43,6 +47,7 @@ AGAIN = 75              # the hook's exit code that runs srun again in the alloc
 TICK_S = 60             # slurmctld checks time limits every 30 s: a signal may come up to a tick early
 USABLE = {"allocated", "mixed", "idle", "completing"}   # sinfo states a step can use
 
+SWAP_CAUSE = "straggler"
 Action = Literal["finished", "refused", "requeue", "in_place", "stop", "fail", "none"]
 
 
@@ -96,6 +101,7 @@ class Inputs:
     errors: Mapping[int, str] = field(default_factory=dict)   # first error line of ranks that wrote one
     past_runs: tuple[PastRun, ...] | None = ()   # the job's runs (sacct), asked when some went unrecorded
     past_why: str = ""                     # why sacct's answer is unknown (past_runs None)
+    window_s: float = 300.0                # dist.straggler_window_s: at most one swap per window
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,8 @@ def _decide(i: Inputs) -> Decision:
                         "restarted, requeued or charged", EXIT_USAGE)
     failed = failed_ranks(i)
     if i.pending is not None:
+        if i.pending.swap is not None and not failed:
+            return _swap(i, i.pending)
         cause = stop_cause(i, failed)
         if cause != "failure":
             return _stop(i, cause, i.pending.step)
@@ -243,7 +251,8 @@ def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
         if where[0] is None:
             why = where[3]
     if not why:
-        charge = 2 if i.history.in_place and i.history.in_place[-1].step == step else 1
+        tried = i.history.failure_restarts()
+        charge = 2 if tried and tried[-1].step == step else 1
         used = i.history.in_place_used()
         if used + charge > i.budgets.in_place:
             why = (f"in-place restarts spent ({used} of {i.budgets.in_place} used; a restart without a newer "
@@ -328,3 +337,56 @@ def _next_nodes(i: Inputs, failed: list[int]) -> tuple[str | None, tuple[str, ..
     chosen = tuple(order[:n.want])
     note = f"{', '.join(lost)} lost at {_step(i.newest_step)}; " if lost else ""
     return _args(chosen, tasks), lost, chosen, f"{note}next step on {','.join(chosen)}; "
+
+
+def _swap(i: Inputs, p: Pending) -> Decision:
+    """Rank 0 stopped the step, its checkpoint committed, to swap ``p.swap`` (a slow rank's node)
+    for a spare: the next step runs with the spare in its place, at the same world size, and
+    resumes from that checkpoint. No failure, so no budget is charged; a swap within
+    ``window_s`` of the last one is refused (a job whose every node is slow must not churn)."""
+    step, who = p.step, f"rank {'?' if p.swap_rank is None else p.swap_rank} on {p.swap}"
+    if i.nominal_end is not None and i.nominal_end - i.now <= i.signal_lead + TICK_S:
+        return _stop(i, "timeout", step)   # a new step would never get its stop signal: the limit's stop
+    before = _step_nodes(i) or (tuple(i.nodes.allocated[:i.first_step_nodes]) if i.nodes is not None else None)
+    last = max((e.time for e in i.history.swaps()), default=None)
+    chosen, spare, why = None, "", ""
+    if last is not None and i.now - last < i.window_s:
+        why = (f"the last swap was {i.now - last:.0f} s ago, within dist.straggler_window_s ({i.window_s:g} s): "
+               f"at most one per window")
+    else:
+        chosen, spare, why = _swap_nodes(i, p.swap or "", before)
+    n = len(before) if before else i.first_step_nodes
+    entry = InPlace(i.inc.target, i.inc.restart, step, i.now, 0, chosen or before, (), n * i.ranks_per_node,
+                    n * i.ranks_per_node, None, SWAP_CAUSE, (p.swap or "", spare) if chosen else ())
+    resume = "latest" if i.own_checkpoint or i.resume in ("latest", "none") else i.resume
+    if chosen is None:
+        return Decision("in_place", f"{i.pending_note}straggler: {who} was slow, not swapped: {why}; restarting in "
+                        f"place where it ran, from {_step(step)}", AGAIN, SWAP_CAUSE, step, restart=entry,
+                        next_resume=resume)
+    return Decision("in_place", f"{i.pending_note}straggler: {who} was slow for dist.straggler_window_s "
+                    f"({i.window_s:g} s): {p.swap} swapped for {spare}; next step on {','.join(chosen)}; "
+                    f"restarting in place from {_step(step)} (swap {len(i.history.swaps()) + 1}; no budget charged)",
+                    AGAIN, SWAP_CAUSE, step, restart=entry, next_nodes=_args(chosen, i.srun_tasks_per_node),
+                    next_resume=resume)
+
+
+def _swap_nodes(i: Inputs, slow: str, before: tuple[str, ...] | None) -> tuple[tuple[str, ...] | None, str, str]:
+    """(the next step's nodes, the spare, why not) for swapping ``slow`` out; the nodes are None
+    when no usable spare is in the allocation or Slurm's view is unknown."""
+    n = i.nodes
+    if n is None or before is None:
+        return None, "", "the job has no spare node (job.spare_nodes=0)"
+    if n.now is None or n.states is None:
+        return None, "", f"Slurm's view of the nodes is unknown ({n.unknown_why})"
+    if slow not in before:
+        return None, "", f"{slow or 'its node'} is not a node of the step ({','.join(before)})"
+    up = [h for h in n.allocated if h in n.now and n.states.get(h, "") in USABLE]
+    down = [h for h in before if h != slow and h not in up]
+    if down:   # the step would fail there: a failure's restart (with its node choice) follows
+        return None, "", f"{', '.join(down)} of the step is not usable now ({n.states.get(down[0]) or 'gone'})"
+    out = {e.swap[0] for e in i.history.swaps()}
+    spares = sorted((h for h in up if h not in before), key=lambda h: h in out)   # one swapped out before: last
+    if not spares:
+        return None, "", f"no spare node of the allocation ({','.join(n.allocated)}) is up"
+    keep = set(before) - {slow} | {spares[0]}
+    return tuple(h for h in n.allocated if h in keep), spares[0], ""

@@ -40,16 +40,17 @@ def _int(env: Mapping[str, str], key: str, default: int = 0) -> int:
     return int(raw) if raw.isdigit() and len(raw) <= 18 else default
 
 
-def _job(path: Path) -> tuple[JobSection, bool, str]:
-    """The job section of the job's config, whether it runs a script, and, when the config cannot
-    be read, the defaults and why."""
+def _job(path: Path) -> tuple[JobSection, bool, float, str]:
+    """The job section of the job's config, whether it runs a script, its straggler window, and,
+    when the config cannot be read, the defaults and why."""
     from hpc_train import config
     from hpc_train.errors import UsageError
     try:
         cfg = config.load(path)
-        return cfg.job, bool(cfg.train.script), ""
+        return cfg.job, bool(cfg.train.script), cfg.dist.straggler_window_s, ""
     except (UsageError, OSError) as e:
-        return JobSection(), False, f"{path.name} unreadable ({str(e).splitlines()[0][:200]}): the job's defaults apply; "
+        return (JobSection(), False, config.DistSection().straggler_window_s,
+                f"{path.name} unreadable ({str(e).splitlines()[0][:200]}): the job's defaults apply; ")
 
 
 def budgets(job: JobSection) -> Budgets:
@@ -61,7 +62,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     """The inputs of this hook call, and the history as read (the act writes on top of it).
     ``config``: the job's config (a standalone script's own copy), else the run's config.yaml."""
     run_dir = Path(run_dir)
-    job, script, note = _job(Path(config) if config else run_dir / rundir.CONFIG)
+    job, script, window_s, note = _job(Path(config) if config else run_dir / rundir.CONFIG)
     inc = Incarnation(target(env), _int(env, "SLURM_RESTART_COUNT"))
     step = StepId(env.get("SLURM_JOB_ID", ""), inc.restart, _int(env, ranks_rec.ATTEMPT_ENV))
     history = requeue_rec.read(run_dir)
@@ -120,5 +121,5 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         # without one of hpc_train's, is its own business (it keeps its own snapshots): unknown.
         newest_step=newest.step if newest is not None else None if script else 0, own_checkpoint=own,
         resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors,
-        past_runs=past, past_why=past_why)
+        past_runs=past, past_why=past_why, window_s=window_s)
     return inputs, history

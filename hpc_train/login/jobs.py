@@ -48,8 +48,14 @@ def _budget_line(run_dir: Path, unread: list[str]) -> str:
     outside = [e.cause for e in rec.events if e.requeued and e.by == "outside"]
     if outside:   # a script's own scontrol requeue (Lightning's auto-requeue), seen in sacct by the hook
         text += f" ({', '.join(f'{c} {outside.count(c)}' for c in dict.fromkeys(outside))} of them requeued outside hpc_train)"
-    if rec.in_place:   # restarts in the allocation (a failure each): see login.hook
-        text += f"; restarts in place: failure {len(rec.in_place)} (budget used {rec.in_place_used()})"
+    if rec.in_place:   # restarts in the allocation (a failure, or a straggler's swap, each): see login.hook
+        text += f"; restarts in place: failure {len(rec.failure_restarts())} (budget used {rec.in_place_used()})"
+        swaps, slow = rec.swaps(), len(rec.in_place) - len(rec.failure_restarts())
+        if slow:
+            text += f", straggler {slow} ({len(swaps)} with a node swapped for a spare; none charged)"
+        for e in swaps:     # a slow node swapped for a spare (issue 31)
+            at = "an unknown step" if e.step is None else f"step {e.step}"
+            text += f"; {e.swap[0]} swapped for {e.swap[1]} at {at} (a straggler; on {','.join(e.nodes or ())})"
         for e in rec.in_place:    # a lost node (see login.nodes): which, and the world size it left
             if e.world_before is not None and (e.lost or e.world_size != e.world_before):
                 lost = ", ".join(e.lost) or "no node"

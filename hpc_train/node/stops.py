@@ -43,6 +43,7 @@ class StopRequest:
         self.signum: int | None = None
         self.received_at: float | None = None
         self.count = 0
+        self.swap: tuple[int, str] | None = None   # (rank, node): rank 0's straggler stop (see straggler)
         self._found: dict[int, Any] = {}    # each installed signal's handler before ours
         self._given: dict[int, Any] = {}    # what restore() gave back in its place
         # Set once the run finished (result.json written): a signal from then on is no stop.
@@ -87,6 +88,8 @@ class StopRequest:
 
     @property
     def name(self) -> str:
+        if self.swap is not None:
+            return "straggler"
         return signal.Signals(self.signum).name if self.signum else "none"
 
     def _handler(self, signum: int, frame: object) -> None:
@@ -97,6 +100,8 @@ class StopRequest:
             self._raise_now = False     # once: the unwinding code may itself be signalled again
             raise StopRun(signal.Signals(signum).name)
         self.count += 1
+        if self.swap is not None:   # a real signal outranks rank 0's own straggler stop
+            self.swap = self.signum = None
         self._record(signum)
         found = self._found.get(signum)
         if _chains_to(found):
@@ -226,6 +231,15 @@ class StopRequest:
         self.escalate = False     # the work is done: a pending escalation must not end the teardown
         if self._timer is not None:
             self._timer.cancel()
+
+    def straggler(self, rank: int, node: str) -> None:
+        """Rank 0: stop at the next step boundary, with a checkpoint, so the batch shell's hook
+        swaps ``node`` (where the slow ``rank`` runs) for a spare. Only this process asks: the
+        agreement carries it to every rank. A stop already asked for wins; a signal after this
+        replaces it (the scheduler's stop is then what the hook decides on)."""
+        if self.signum is None and not self._done:
+            self.swap = (rank, node)
+            self._record(signal.SIGTERM)   # escalated as any stop, should the loop stop reaching step_end
 
     def request(self, signum: int = signal.SIGTERM) -> None:
         """Ask for a stop from code (tests, a user's callback): recorded and escalated as a signal

@@ -2,7 +2,8 @@
 
 ``requeue.json`` is the history the budgets are counted from, across every incarnation of the
 job: one :class:`Requeue` per stop or failure that asked to go back to the queue (``requeued``:
-whether it went), one :class:`InPlace` per job step started again inside the allocation, and
+whether it went), one :class:`InPlace` per job step started again inside the allocation (after
+a failure, or with a straggler's node swapped for a spare: ``swaps`` counts those), and
 ``final``, the line of a stop whose budget was spent. A run of the job that went back to the
 queue without the hook (a script's own ``scontrol requeue``, such as Lightning's auto-requeue, or
 an administrator's) is counted too, once the hook sees it in ``sacct`` (``by: outside``). Counts are never stored as the truth: a
@@ -37,6 +38,7 @@ from hpc_train.records.fields import Bad
 NAME = "requeue.json"
 PENDING = "requeue.pending"
 CAUSES = ("preemption", "timeout", "failure")
+RESTART_CAUSES = ("failure", "straggler")   # why a step was started again in the allocation
 BY = ("hpc_train", "outside")
 MAX_CHARGE = 2            # an in-place restart that made no progress counts twice
 _TARGET = re.compile(r"[0-9]{1,18}(_[0-9]{1,18})?")   # a job id, or ARRAYJOB_TASK
@@ -70,7 +72,9 @@ class Requeue:
 
 @dataclass(frozen=True)
 class InPlace:
-    """A job step started again inside the allocation after a failed one."""
+    """A job step started again inside the allocation: after a failed one, or after rank 0 stopped
+    the step to swap a slow node for a spare (``cause`` straggler: no failure, so it charges
+    nothing; at most one per ``dist.straggler_window_s``)."""
 
     job: str
     restart: int | None       # None: written before incarnations were told apart
@@ -82,6 +86,8 @@ class InPlace:
     world_size: int | None = None
     world_before: int | None = None
     error: str | None = None                # the failed step's first error line
+    cause: str = "failure"                  # one of RESTART_CAUSES
+    swap: tuple[str, ...] = ()              # a straggler's (node swapped out, spare swapped in); (): none
 
     def of(self, inc: Incarnation) -> bool:
         return self.job == inc.target and self.restart == inc.restart
@@ -103,6 +109,13 @@ class RequeueState:
     @property
     def counts(self) -> dict[str, int]:
         return {c: self.count(c) for c in CAUSES}
+
+    def swaps(self) -> tuple[InPlace, ...]:
+        """The steps restarted with a slow node swapped for a spare."""
+        return tuple(e for e in self.in_place if e.swap)
+
+    def failure_restarts(self) -> tuple[InPlace, ...]:
+        return tuple(e for e in self.in_place if e.cause == "failure")
 
     def in_place_used(self) -> int:
         """The in-place budget spent over the run (an unreadable entry costs 1, never 0)."""
@@ -140,7 +153,7 @@ class RequeueState:
 
     def last_failure(self) -> tuple[int | None, str | None] | None:
         """(step, error line) of the newest failure restarted or requeued; None when none was."""
-        tried = [(e.time, e.step, e.error) for e in self.in_place]
+        tried = [(e.time, e.step, e.error) for e in self.failure_restarts()]
         tried += [(e.time, e.step, e.error) for e in self.events if e.cause == "failure" and e.requeued]
         return max(tried, key=lambda t: t[0])[1:] if tried else None
 
@@ -164,10 +177,15 @@ def _restart(d: Any) -> InPlace:
     if not isinstance(d, dict):
         raise Bad(f"is {d!r}, not an object")
     nodes = fields.names(d, "nodes") if d.get("nodes") is not None else None
+    cause = fields.text(d, "cause", "failure", choices=RESTART_CAUSES)
+    swap = fields.names(d, "swap")
+    if len(swap) not in (0, 2):
+        raise Bad(f"swap is {list(swap)!r}, not [node swapped out, spare swapped in]")
+    # A failure's restart costs 1 or 2; a straggler's nothing (no hand-edit buys budget with 0).
     return InPlace(fields.text(d, "job"), fields.opt_count(d, "restart"), fields.opt_count(d, "step"),
-                   fields.number(d, "time"), fields.count(d, "charge", 1, lo=1, hi=MAX_CHARGE), nodes,
-                   fields.names(d, "lost"), fields.opt_count(d, "world_size", lo=1),
-                   fields.opt_count(d, "world_before", lo=1), fields.opt_text(d, "error"))
+                   fields.number(d, "time"), fields.count(d, "charge", 1, lo=int(cause == "failure"), hi=MAX_CHARGE),
+                   nodes, fields.names(d, "lost"), fields.opt_count(d, "world_size", lo=1),
+                   fields.opt_count(d, "world_before", lo=1), fields.opt_text(d, "error"), cause, swap)
 
 
 def read(run_dir: Path) -> RequeueState:
@@ -224,7 +242,7 @@ def write(run_dir: Path, state: RequeueState, warn=None) -> None:
                                               indent=2, default=repr))
         (warn or logging.getLogger("hpc_train").warning)(
             f"{path(run_dir)}: {'; '.join(state.problems)}; moved to {aside.name}, and the run goes on without it")
-    rec = {"counts": state.counts, "events": [_entry(e) for e in state.events],
+    rec = {"counts": state.counts, "swaps": len(state.swaps()), "events": [_entry(e) for e in state.events],
            "in_place": [_entry(e) for e in state.in_place], "requeued_at": list(state.requeued_at)}
     if state.final:
         rec["final"] = state.final
@@ -243,6 +261,8 @@ class Pending:
     job: str = ""             # the step that asked (see hpc_train.records.ranks.StepId)
     restart: int = 0
     attempt: int = 0
+    swap: str | None = None   # a straggler stop: the slow rank's node, to swap for a spare
+    swap_rank: int | None = None
 
 
 def pending_path(run_dir: Path) -> Path:
@@ -262,7 +282,8 @@ def read_pending(run_dir: Path) -> tuple[Pending | None, str | None]:
                        # A request left by a step before the writer stored job.signal's form
                        # (SIGUSR2) means the same signal.
                        fields.text(raw, "signal", "").removeprefix("SIG"), fields.opt_number(raw, "received_at"),
-                       fields.text(raw, "job", ""), fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0)), None
+                       fields.text(raw, "job", ""), fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0),
+                       fields.opt_text(raw, "swap"), fields.opt_count(raw, "swap_rank")), None
     except Bad as e:
         return None, str(e)
 

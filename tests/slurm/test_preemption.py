@@ -361,3 +361,52 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
     assert after == list(range(resumed + 1, steps + 1)), after[:5]
     status = slurm.cli("status", run_dir).stdout
     assert f"{lost} lost at step {resumed} (world size 2 -> 1" in status, status
+
+
+def test_a_straggler_s_node_is_swapped_for_the_spare_and_resumes_bitwise(slurm, reference, tmp_path):
+    """Issue 31.3: job.spare_nodes=1 (3 nodes allocated, 2 used), job.replace_stragglers=true, a
+    10-s window, a gathering every 10 steps. This test stops rank 1 half of the time in 20-ms
+    slices (SIGSTOP/SIGCONT: its node is on this machine, so its pid from its log is ours to
+    signal). Rank 0 names it, and once it was named for the window, every rank saves at one step
+    and the step ends; the batch shell's hook starts the next step with the spare in place of
+    rank 1's node, at the same world size. The job ends COMPLETED without going back to the
+    queue, its final weights and losses bitwise those of the uninterrupted run; status shows the
+    swap, and the goodput table counts it."""
+    run_dir = tmp_path / "job"
+    t0 = time.monotonic()
+    job, pid = _two_node_job_at(slurm, run_dir, STEPS, 60, 100, "--set", "job.spare_nodes=1", "--set",
+                                "job.replace_stragglers=true", "--set", "dist.straggler_window_s=10",
+                                "--set", "dist.straggler_every_steps=10")
+    slow = _host_of(run_dir, 1)
+    slowed_at, record = time.monotonic(), run_dir / "requeue.json"
+    try:
+        while not record.exists():          # the hook writes it at the swap, not before
+            assert time.monotonic() - slowed_at < 60, "no swap within 60 s of slowing rank 1"
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.02)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.02)
+    except ProcessLookupError:
+        pass                                # it saved and exited: the swap follows
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    log0 = _assert_recovered_in_place(slurm, job, run_dir, STEPS)
+    print(f"straggler swap on Slurm: {time.monotonic() - slowed_at:.1f} s from slowing rank 1 to the job's end, "
+          f"{time.monotonic() - t0:.1f} s in all")
+    rec = json.loads(record.read_text())
+    swap = rec["in_place"][0]
+    spare = swap["swap"][1] if len(swap.get("swap", [])) == 2 else None
+    assert swap["cause"] == "straggler" and swap["swap"] == [slow, spare] and swap["charge"] == 0, rec
+    assert slow not in swap["nodes"] and spare in swap["nodes"] and swap["world_size"] == 2, rec
+    assert rec["swaps"] == 1 and rec["counts"] == {"preemption": 0, "timeout": 0, "failure": 0}, rec
+    assert re.search(rf"straggler: rank 1 on {slow} is [\d.]+x slower", log0), log0[-3000:]
+    assert re.search(rf"straggler: rank 1 on {slow} named slow for \d+ s", log0), log0[-3000:]
+    assert f"checkpoint saved by straggler at step {swap['step']}" in log0, log0[-3000:]
+    assert _host_of(run_dir, 1) == spare
+    ref, ref_losses = reference
+    assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
+    assert losses(run_dir) == ref_losses
+    status = slurm.cli("status", run_dir, "--goodput").stdout
+    assert f"{slow} swapped for {spare} at step {swap['step']}" in status, status
+    assert f"straggler swaps: 1 ({slow} -> {spare})" in status, status
