@@ -139,6 +139,48 @@ def typical_rate(stamps: list[float], warmup: int) -> float:
     return BATCH * WORLD / statistics.median(periods)
 
 
+def _straggler_rank(rank: int, port: int, steps: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hpc_train.node.straggler import Stragglers
+    import logging
+    logging.getLogger("hpc_train").setLevel(logging.ERROR)   # steps of no work: its naming is noise here
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        s = Stragglers(50, 1.3, rank, WORLD, True, Path(tempfile.gettempdir()))
+        for step in range(1, 101):        # warm-up: the first gatherings connect
+            s.arrived()
+            s.left(step, torch.device("cpu"))
+        dist.barrier()
+        t = time.perf_counter()
+        for step in range(101, 101 + steps):
+            s.arrived()
+            s.left(step, torch.device("cpu"))
+        out.put((rank, (time.perf_counter() - t) / steps * 1e6))
+    finally:
+        dist.destroy_process_group()
+
+
+def straggler_cost_us(steps: int = 5000) -> float:
+    """What straggler detection adds to a step, alone: each rank's ``arrived`` and ``left`` (the
+    time stamps, and the gathering every 50 steps: one all-gather of a float per rank) with no
+    training between them, in microseconds a step, the slower rank's."""
+    import torch.multiprocessing as mp
+
+    from hpc_train.launch.local import free_port
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_straggler_rank, args=(r, port, steps, q)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return max(v for _, v in got)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps per run (3 repetitions still)")
@@ -205,6 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     rs = ratio(med["hpc"], med["hpc_nostrag"])
     print(f"straggler detection on (every 50 steps, the default) / off: {rs}"
           + (f" (target >= 0.99: {'met' if float(rs) >= 0.99 else 'NOT met'})" if rs != "n/a" else ""))
+    # The A/B ratio above is within the run-to-run noise of a shared machine (reps differ by more
+    # than the effect): the detection's own cost, timed alone in the same run, says what it is.
+    cost = straggler_cost_us()
+    step_med = medians["samples/s of the median step (robust to neighbours on a shared machine)"]["hpc"]
+    if step_med:
+        step_us = BATCH * WORLD / step_med * 1e6
+        print(f"straggler detection's own cost, timed alone (2 gloo ranks, 5000 steps, a gathering every 50): "
+              f"{cost:.1f} us a step, against a median step of {step_us:.0f} us: on / off = "
+              f"{step_us / (step_us + cost):.4f} (target >= 0.99: {'met' if step_us / (step_us + cost) >= 0.99 else 'NOT met'})")
     if args.json:
         Path(args.json).write_text(json.dumps({"steps": steps, "warmup": warmup, "steady": tables[0],
                                                "median_step": tables[1],
