@@ -29,11 +29,19 @@ PY = sys.executable
 SCRIPT = str(ROOT / "tests" / "scripts" / "after_finish.py")
 
 
+def _as_from_a_terminal() -> None:
+    """The child starts with SIGINT at its default, as a program started from a terminal does
+    (Python then installs its KeyboardInterrupt handler), whatever this pytest process inherited:
+    one started in the background by a shell without job control has SIGINT ignored, and its
+    children would inherit that (a fresh-clone rehearsal failed these tests so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(argv: list[str], tmp: Path, **knobs: str) -> tuple[subprocess.Popen, Path]:
     """The process, its stderr going to a file the test can read while it runs."""
     err = tmp / "stderr.txt"
     p = subprocess.Popen(argv, cwd=tmp, env=clean_env(**knobs), stdout=subprocess.DEVNULL, stderr=err.open("w"),
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=_as_from_a_terminal)
     return p, err
 
 
