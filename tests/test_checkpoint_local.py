@@ -207,3 +207,20 @@ def test_ckpt_list_shows_the_local_items_a_crash_left(tmp_path):
     host = socket.gethostname()
     assert sorted((int(f[0]), f[-2]) for f in local) == [(s, f"{host}/rank-{r}") for s in (3, 6) for r in (0, 1)], \
         listing.stdout
+
+
+def test_the_cleanup_asks_for_the_allocation_s_node_count_now(tmp_path):
+    """After a lost node (``--no-kill``) the allocation has fewer nodes than the batch shell's
+    ``$SLURM_JOB_NUM_NODES`` says, and an ``srun`` asking for that many waits forever: the
+    cleanup takes ``scontrol``'s count now, and the old one only when ``scontrol`` says nothing."""
+    from hpc_train import config_local
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    line = config_local.NODES_NOW + '; echo "${hpc_train_nodes:-$SLURM_JOB_NUM_NODES}"'
+    for says, want in (("JobId=7 JobName=x\n   NumNodes=2 NumCPUs=2 NumTasks=2\n", "2"), ("", "3")):
+        (bin_dir / "scontrol").write_text(f"#!/bin/sh\nprintf '%s' '{says}'\n")
+        (bin_dir / "scontrol").chmod(0o755)
+        got = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=30,
+                             env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+                                  "SLURM_JOB_NUM_NODES": "3"})
+        assert got.stdout.strip() == want, (says, got.stdout, got.stderr)
