@@ -63,11 +63,12 @@ class _Beater:
 
     def __init__(self) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="hpc_train-heartbeat", daemon=True)
 
     def start(self):
+        """Beat once, then every :data:`BEAT_S` seconds. A reader that only asks for ages (a
+        watcher's own ``FileBeats``) never starts, and so never makes a thread."""
         self._beat()
-        self._thread.start()
+        threading.Thread(target=self._loop, name="hpc_train-heartbeat", daemon=True).start()
         return self
 
     def stop(self) -> None:

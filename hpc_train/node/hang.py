@@ -211,8 +211,9 @@ class HangWatch:
 
 
 class Watches:
-    """A Run's heartbeat (:mod:`hpc_train.node.beats`), its hang watch and, on rank 0 of a Slurm
-    step, the heartbeat watchdog: stopped together when the Run closes."""
+    """A Run's heartbeat (:mod:`hpc_train.node.beats`) and its hang watch, stopped together when
+    the Run closes. Rank 0's Slurm watchdog, started beside them, is not stopped: it reads the
+    beats until the process exits, as it did when the session started it."""
 
     def __init__(self, beating: beats._Beater | None, hang: HangWatch | None) -> None:
         self.beats, self.hang = beating, hang

@@ -39,7 +39,8 @@ _dump_file = None      # kept open: faulthandler writes to its file descriptor f
 
 
 def use_beats(reader: beats._Beater | None) -> None:
-    """The heartbeat channel this process's peers beat on, for :func:`lost_peer` (None: the files)."""
+    """The heartbeat channel this process's peers beat on, for :func:`lost_peer` (None: no channel
+    is read there; a Run's ranks no longer touch their records, so their mtimes say nothing)."""
     global _reader
     _reader = reader
 
