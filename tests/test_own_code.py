@@ -122,13 +122,20 @@ def test_fn_that_ignores_run_is_ended_by_a_stop_and_not_marked_finished(tmp_path
 def test_a_stop_that_ends_ranks_at_different_collectives_is_still_a_stop(tmp_path):
     """Rank 0 is ended in Python while rank 1 waits in an all-reduce rank 0 never joins: rank 0
     must leave without a shutdown barrier (it would pair with rank 1's all-reduce), and rank 1's
-    all-reduce, failed by rank 0's exit, is this stop's doing, not a failure."""
+    all-reduce, failed by rank 0's exit, is this stop's doing, not a failure.
+
+    Rank 1 leaves by one of two paths, and which one is a race the test cannot fix: its
+    all-reduce fails first (rank 0 left), or its own escalated StopRun reaches it first (both
+    ranks got the same SIGTERM, and the escalation's timer fires on each). Either is the stop;
+    what must never happen is a failure or a hang."""
     rd, q = _stop_fn_once_running(tmp_path, "stuck_in_collective")
     assert q.returncode == 128 + signal.SIGTERM, show(q)
     assert "failed" not in q.stderr and "Traceback" not in q.stderr, show(q)
     assert json.loads((rd / "stopped.json").read_text())["checkpoint"] is False
     assert "stopped by SIGTERM before the code called run.step_end" in (rd / "logs" / "rank-0.log").read_text()
-    assert "a peer left for the same stop" in (rd / "logs" / "rank-1.log").read_text()
+    rank1 = (rd / "logs" / "rank-1.log").read_text()
+    assert "stopped by SIGTERM before the code called run.step_end" in rank1, rank1
+    assert "ERROR" not in rank1 and "Traceback" not in rank1, rank1
 
 
 def test_fn_gets_the_same_run_and_its_stop(tmp_path):
