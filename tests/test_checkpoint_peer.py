@@ -7,8 +7,8 @@ as on two machines. Real gloo groups, real files, real SIGKILL.
 
 * Every local save sends each rank's item to the other node, which commits it with its own
   record and checksums; they match the original's.
-* Rank 1 deletes its node's whole local directory (a lost node's storage) and SIGKILLs itself:
-  both agents restart their workers, the rank on the emptied node fetches its item of step 6
+* Rank 1 deletes its node's whole local directory (a lost node's storage) and every rank
+  SIGKILLs itself (as srun ends every task of a failed step): both agents restart their workers, the rank on the emptied node fetches its item of step 6
   from the other node's copy, and the run ends bitwise equal to a run never killed.
 * With a bit flipped in that copy, the fetch refuses it on arrival: one warning, every rank
   resumes from the shared tier's step 4, still bitwise equal.
@@ -48,9 +48,18 @@ def _two_nodes(cwd: Path, kill_at: int, restarts: str = "1",
         procs.append(subprocess.Popen(cmd, cwd=cwd, env=clean_env(SLURMD_NODENAME=node, **env),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     done = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:   # a hang: nothing left behind (the agents end their workers when they are killed)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
     return done, cwd / "runs" / "loop"
 
 

@@ -163,6 +163,10 @@ class Peers:
                 if where is not None:
                     got.append(where)
                     self._prune(self.copies_dir(src), keep)
+            if not self.stats:   # once per run and rank: what a copy costs (on the writer thread)
+                log.info("local checkpoint copies: step %d sent to rank %d (%.1f MB) and rank %d's received, "
+                         "%.3fs in the background", step, self.ring.buddy(d), (out.nbytes if out else 0) / 1e6, src,
+                         time.perf_counter() - t0)
             self.stats.append({"step": step, "copy_s": time.perf_counter() - t0,
                                "sent_bytes": out.nbytes if out is not None else 0})
         return got
@@ -216,8 +220,21 @@ class Peers:
                         shutil.rmtree(p, ignore_errors=True)
 
     def remove(self) -> None:
-        for d in range(1, self.ring.replicas + 1):
-            shutil.rmtree(self.copies_dir(self.ring.source(d)), ignore_errors=True)
+        """At the run's end: this rank's copies, and what no rank now on this node owns (the items
+        of ranks that sat here before a restart gave the ranks out anew): nothing is left behind."""
+        r = self.ring
+        here = {r.node * r.per_node + k for k in range(r.per_node)}
+        sources = {((r.node - d) % r.nodes) * r.per_node + k for d in range(1, r.replicas + 1) for k in range(r.per_node)}
+        for d in range(1, r.replicas + 1):
+            shutil.rmtree(self.copies_dir(r.source(d)), ignore_errors=True)
+        for parent, owned in ((self.node, here), (self.node / COPIES, sources)):
+            try:
+                stale = [p for p in parent.iterdir() if p.name.startswith("rank-") and p.name[5:].isdigit()
+                         and int(p.name[5:]) not in owned]
+            except OSError:
+                continue
+            for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
         try:
             (self.node / COPIES).rmdir()
         except OSError:

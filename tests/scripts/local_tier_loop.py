@@ -6,7 +6,8 @@
 step, as a crashed rank would; torchrun's ``--max-restarts`` then starts every rank again in
 place. With ``LOCAL_TIER_FLIP`` set, rank 1 first flips one bit of its newest local item; with
 ``LOCAL_TIER_UNFINISHED``, rank 0 leaves a shared step directory without a commit record; with
-``LOCAL_TIER_LOSE_NODE``, rank 1 removes its node's whole local directory (a lost node's storage);
+``LOCAL_TIER_LOSE_NODE``, rank 1 removes its node's whole local directory (a lost node's storage)
+and every rank is killed;
 with ``LOCAL_TIER_FLIP_COPY``, rank 0 flips a bit in its copy of rank 1's newest item. Before
 the kill, each rank writes the steps its node's local tier holds to ``RUN_DIR/local-steps-R.json``
 (and, with copies, the steps of the copies it holds to ``copies-R.json``); at the end, rank 0
@@ -68,6 +69,11 @@ def main(steps: int, kill_at: int = 0) -> dict:
                         shutil.rmtree(run._local.node)
                     if os.environ.get("LOCAL_TIER_FLIP"):   # one bit of the newest item's tensor data
                         _flip(next((run._local.dir / f"step-{held[-1]}").glob("*.distcp")))
+                if run.rank == 1 or os.environ.get("LOCAL_TIER_LOSE_NODE"):
+                    # With two torchrun agents (tests/test_checkpoint_peer.py) every rank ends here, as
+                    # srun's --kill-on-bad-exit ends every task of a step: each agent counts one failure,
+                    # so both restart with the same TORCHELASTIC_RESTART_COUNT (an agent that restarts for
+                    # the other's rejoining counts none, and the attempts' store prefixes would differ).
                     os.kill(os.getpid(), signal.SIGKILL)
             if state["step"] >= steps:
                 break
