@@ -95,11 +95,18 @@ def visible_bases(local_dir: str, env: Mapping[str, str]) -> list[Path]:
     return out
 
 
+# The allocation's node count now: after a lost node (--no-kill) it is below $SLURM_JOB_NUM_NODES,
+# which the batch shell keeps from the start, and an srun that asks for the old count waits forever.
+NODES_NOW = ('hpc_train_nodes=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null '
+             "| sed -n 's/.*NumNodes=\\([0-9][0-9]*\\).*/\\1/p' | head -n 1)")
+
+
 def shell_cleanup(local_dir: str) -> str:
     """The batch script's line that removes the job's local tier on every node of the allocation,
     at the job's end (also before a requeue: a requeued job lands on nodes whose memory holds
-    nothing of it). ``|| true``: a lost node must not change the job's exit status."""
+    nothing of it), after :data:`NODES_NOW`. ``|| true``: a lost node must not change the job's
+    exit status; ``timeout``: nor hold the job's end."""
     base = f"${{0:-${{SLURM_TMPDIR:-${{TMPDIR:-{DEFAULT_BASE}}}}}}}"
     arg = shlex.quote(local_dir) if local_dir else "''"
-    return (f'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c '
-            f"'rm -rf -- \"{base}/{PREFIX}$SLURM_JOB_ID\"' {arg} >/dev/null 2>&1 || true")
+    return (f'timeout 60 srun --nodes="${{hpc_train_nodes:-$SLURM_JOB_NUM_NODES}}" --ntasks-per-node=1 '
+            f"--kill-on-bad-exit=0 bash -c 'rm -rf -- \"{base}/{PREFIX}$SLURM_JOB_ID\"' {arg} >/dev/null 2>&1 || true")

@@ -126,4 +126,4 @@ class Loop:
             return []
         return ["# The job's node-local checkpoints (checkpoint.local_*) end with it, on every node.",
                 'if [ -n "${SLURM_JOB_NUM_NODES:-}" ]; then',
-                f"  command {config_local.shell_cleanup(self.local_dir)}", "fi"]
+                f"  {config_local.NODES_NOW}", f"  command {config_local.shell_cleanup(self.local_dir)}", "fi"]
