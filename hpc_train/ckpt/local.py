@@ -34,6 +34,7 @@ import stat
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,16 @@ def _real_dir(path: Path) -> str | None:
     if st.st_uid != os.getuid():
         return f"{path} belongs to another user"
     return None
+
+
+@dataclass
+class _Staged:
+    """A save's copy of this rank's state, taken on the training thread, for the writer thread."""
+    state: dict[str, Any]             # DCP's part (modules, optimizers), on the CPU
+    small: tuple[Any, Any]            # (rank-R.pt's, app.pt's) contents
+    path: Path                        # the step directory it goes to
+    kinds: dict[str, str]
+    t0: float                         # when the copy began (save_seconds in the commit record)
 
 
 class LocalTier:
@@ -182,9 +193,9 @@ class LocalTier:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpc_train-local")
         fut = self._pool.submit(self._background, job, step)
-        self.pending = (fut, step, job[2] if job is not None else None)
+        self.pending = (fut, step, job.path if job is not None else None)
 
-    def _staged(self, state: Mapping[str, Any], step: int, kinds: dict[str, str]) -> tuple | None:
+    def _staged(self, state: Mapping[str, Any], step: int, kinds: dict[str, str]) -> _Staged | None:
         """The blocking copy of this rank's state, or None when it is not saved this time."""
         if not all(bool(p.detach().isfinite().all()) for k, kind in kinds.items() if kind == "module"
                    for p in state[k].parameters()):
@@ -204,17 +215,17 @@ class LocalTier:
                      "keeping %d%s", step, self.dir, nbytes / 1e6, time.perf_counter() - t0,
                      self.cfg.local_every_steps or "-", self.cfg.local_every_seconds or "-", self.cfg.local_keep, to)
         self.stats.append({"step": step, "blocked_s": time.perf_counter() - t0})
-        return staged, small, path, kinds, t0
+        return _Staged(staged, small, path, kinds, t0)
 
-    def _background(self, job: tuple | None, step: int) -> None:
+    def _background(self, job: _Staged | None, step: int) -> None:
         """The writer thread: this rank's item, then the exchange with the peers. A failed write
         is raised to wait() after the exchange, which the peers wait for either way."""
         error: Exception | None = None
         written = None
         if job is not None:
             try:
-                self._write(job[0], job[1], job[2], step, job[3], job[4])
-                written = job[2]
+                self._write(job.state, job.small, job.path, step, job.kinds, job.t0)
+                written = job.path
             except Exception as e:  # noqa: BLE001 - raised below, once the peers had their exchange
                 error = e
         if self.peers is not None and self._copies_off is None:
