@@ -181,6 +181,7 @@ class CheckpointSection:
     local_every_seconds: float = _f(0.0, min=0, max=_WEEK, doc="local tier: e.g. 30; 0 = only by local_every_steps")
     local_dir: str = _f("", doc="'' = $SLURM_TMPDIR, else $TMPDIR, else /dev/shm")
     local_keep: int = _f(2, min=1)
+    local_replicas: int = _f(1, min=0, doc="local tier: copies on the next node(s); 0 = none; < job.nodes")
 
 
 @dataclass
@@ -351,7 +352,7 @@ def validate(cfg: Config) -> Config:
     stragglers(cfg.job, cfg.dist)
     if cfg.train.fn and not IMPORT_RE.match(cfg.train.fn):
         raise UsageError(f"config: train.fn must be an import path 'package.module:function', got {cfg.train.fn!r}")
-    config_local.check(cfg.checkpoint)
+    config_local.check(cfg.checkpoint, cfg.job.nodes)
     return cfg
 
 

@@ -7,7 +7,7 @@ restarted in place that restores, the launcher and the batch script that remove 
 ``ckpt list`` all name the same path without passing it around::
 
     BASE/hpc_train-ID/NODE/rank-R/step-N/     a rank's own items (DCP files, app.pt, rank-R.pt, commit.json)
-    BASE/hpc_train-ID/NODE/copies/rank-R/...  reserved: a buddy rank's copies (issue 30, item 2)
+    BASE/hpc_train-ID/NODE/copies/rank-R/step-N/  a copy of rank R's item, R on the previous node (hpc_train.ckpt.peer)
 
 * BASE: ``checkpoint.local_dir``, else ``$SLURM_TMPDIR``, else ``$TMPDIR``, else ``/dev/shm``.
 * ID: the Slurm job id (the same across in-place restarts, which are new job steps; an array
@@ -31,11 +31,17 @@ from hpc_train.errors import UsageError
 
 PREFIX = "hpc_train-"
 DEFAULT_BASE = "/dev/shm"
-COPIES = "copies"   # reserved for a buddy's copies beside the node's own (not built yet)
+COPIES = "copies"   # a buddy's copies beside the node's own (hpc_train.ckpt.peer)
 
 
-def check(section: Any) -> None:
-    """The local tier's rules beyond each field's type and range (the CheckpointSection)."""
+def check(section: Any, nodes: int = 1) -> None:
+    """The local tier's rules beyond each field's type and range (the CheckpointSection).
+    ``nodes``: job.nodes; copies go to other nodes, so at most nodes - 1 of them (a run on one
+    node, such as ``run``, keeps the default 1 and is told once that copies are off)."""
+    n = section.local_replicas
+    if nodes > 1 and n >= nodes:
+        raise UsageError(f"config: checkpoint.local_replicas={n} must be less than job.nodes={nodes} (each copy "
+                         f"goes to another node); valid: 0..{nodes - 1}, 0 = no copies")
     d = section.local_dir
     if d and not os.path.isabs(d):
         raise UsageError(f"config: checkpoint.local_dir must be an absolute path or '' (the job's $SLURM_TMPDIR, "

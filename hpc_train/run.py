@@ -187,7 +187,8 @@ class Run:
     def _local_tier(self):
         if self._local is None and config_local.enabled(self.config.checkpoint):
             from hpc_train.ckpt.local import LocalTier
-            self._local = LocalTier(self.config, self.run_dir, self.rank, self.world_size, self.checkpoint_record)
+            self._local = LocalTier(self.config, self.run_dir, self.rank, self.world_size, self.checkpoint_record,
+                                    env=self.env)
         return self._local
 
     def restore(self, state: dict[str, Any]) -> int:

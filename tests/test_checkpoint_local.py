@@ -128,6 +128,9 @@ def test_the_trainer_saves_local_items_in_dev_shm_and_leaves_none(tmp_path):
     logs = _logs(rd)
     saved = re.findall(r"local checkpoint tier: step 2 to (/dev/shm/hpc_train-p\d+/[^/]+/rank-(\d))", logs)
     assert sorted(r for _, r in saved) == ["0", "1"], logs
+    # One node: no peer node for checkpoint.local_replicas' copies (default 1), said once.
+    off = [ln for ln in logs.splitlines() if "copies on a peer node are off: the run has one node" in ln]
+    assert len(off) == 1 and off[0].startswith("[rank 0]"), logs
     job_dir = Path(saved[0][0]).parent.parent
     assert not job_dir.exists()
     assert {p.name for p in Path("/dev/shm").glob("hpc_train-*")} <= before

@@ -13,9 +13,15 @@ stager does) and a thread of this tier's writes and commits it; one save in flig
 creatable, not a real directory of this user, not writable, on the run directory, or too small
 for two items turns it off for the run with one warning, as does a save that fails at the disk.
 
+Copies (``checkpoint.local_replicas``, :mod:`hpc_train.ckpt.peer`): after each save the
+writer thread sends the new item to the same local rank on the next node(s), which keeps it
+under its own node's directory; on a single node they are off (said once).
+
 Restore (:meth:`LocalTier.choose`, called by :func:`hpc_train.ckpt.restore.restore`): every rank
-lists its complete items, one all-gather finds the newest step all of them hold, and it is used
-when at least as new as the shared tier's newest and saved at this world size.
+lists its complete items (with copies: every item its node holds, for any rank), one all-gather
+finds the newest step held for every rank, and it is used when at least as new as the shared
+tier's newest and saved at this world size. A rank whose node lacks its item receives it from
+a node that holds a copy.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import stat
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpc_train import config_local
-from hpc_train.ckpt import store
+from hpc_train.ckpt import peer, store
 from hpc_train.ckpt.common import APP_FILE, dcp_state, rank_file, why
 from hpc_train.ckpt.crc import ChecksummingWriter, save_pt
 from hpc_train.ckpt.save import _app_state, _rank_state
@@ -71,12 +78,22 @@ def _real_dir(path: Path) -> str | None:
     return None
 
 
+@dataclass
+class _Staged:
+    """A save's copy of this rank's state, taken on the training thread, for the writer thread."""
+    state: dict[str, Any]             # DCP's part (modules, optimizers), on the CPU
+    small: tuple[Any, Any]            # (rank-R.pt's, app.pt's) contents
+    path: Path                        # the step directory it goes to
+    kinds: dict[str, str]
+    t0: float                         # when the copy began (save_seconds in the commit record)
+
+
 class LocalTier:
     """One rank's side of the local tier. Build it on every rank when :func:`config_local.enabled`:
     the restore's agreement is a collective, so a rank whose tier is off still takes part."""
 
     def __init__(self, config: Config, run_dir: Path, rank: int, world_size: int,
-                 record: dict[str, Any] | None = None, node: Path | None = None) -> None:
+                 record: dict[str, Any] | None = None, node: Path | None = None, env: Any = None) -> None:
         cfg = self.cfg = config.checkpoint
         self.rank, self.world = rank, world_size
         self.run_dir = Path(run_dir).resolve()
@@ -91,10 +108,19 @@ class LocalTier:
         self._pool: ThreadPoolExecutor | None = None
         self._checked_space = False
         self._made = False   # the directories are made at the first save: a run that never saves leaves none
+        self._copies_off: str | None = None
+        # Copies: the same on every rank (config and the job's shape only), whatever each
+        # node's directory turns out to be: every rank takes part in every exchange.
+        self.peers: peer.Peers | None = None
         if config.dist.strategy == "fsdp":
             self._turn_off("dist.strategy=fsdp shards the state; the local tier holds whole replicas only")
-        else:
-            self._turn_off(self._where())
+            return
+        ring, why_not = peer.ring(env, world_size, cfg.local_replicas)
+        if ring is not None:
+            self.peers = peer.Peers(ring, self.node, config.dist.timeout_s)
+        elif why_not and rank == 0:
+            log.info("local checkpoint tier: %s", why_not)
+        self._turn_off(self._where())
 
     # -- health --------------------------------------------------------------------------------
     def _turn_off(self, reason: str | None) -> None:
@@ -132,8 +158,10 @@ class LocalTier:
             return True
         self._checked_space = True
         free = shutil.disk_usage(self.dir).free + sum(i.size for i in self._items() if i.complete)
-        if free < 2 * nbytes:
-            self._turn_off(f"{self.dir} has {free >> 20} MiB free, less than two items of {nbytes >> 20} MiB")
+        copies = self.peers.ring.replicas if self.peers is not None else 0
+        if free < 2 * nbytes * (1 + copies):
+            self._turn_off(f"{self.dir} has {free >> 20} MiB free, less than two items of {nbytes >> 20} MiB"
+                           + (f" plus {copies} peer's copies of as many" if copies else ""))
             return False
         return True
 
@@ -143,38 +171,72 @@ class LocalTier:
         return self.off is None and bool(s) and time.monotonic() - self.last_t >= s
 
     def due(self, step: int, timed: bool) -> bool:
+        """With copies, due on every rank alike, its own tier off or not: the exchange needs all."""
         n = self.cfg.local_every_steps
-        return self.off is None and step != self.last_step and bool(timed or (n and step % n == 0))
+        return ((self.off is None or self.peers is not None) and step != self.last_step
+                and bool(timed or (n and step % n == 0)))
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, state: Mapping[str, Any], step: int, kinds: dict[str, str]) -> None:
-        """Copy this rank's state now (the blocking part), write and commit it in the background."""
+        """Copy this rank's state now (the blocking part), write and commit it in the background,
+        then send it to the peers (with copies, also when this rank has nothing to send)."""
         self.wait()
         if not self._made and self.off is None:
             self._made = True
             self._turn_off(self._setup())
-        if self.off is not None:
+        self.last_t, self.last_step = time.monotonic(), step
+        job = self._staged(state, step, kinds) if self.off is None else None
+        if job is None and self.peers is None:
             return
+        if self.peers is not None:
+            self.peers.group()   # made here, on the training thread, at the same step on every rank
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpc_train-local")
+        fut = self._pool.submit(self._background, job, step)
+        self.pending = (fut, step, job.path if job is not None else None)
+
+    def _staged(self, state: Mapping[str, Any], step: int, kinds: dict[str, str]) -> _Staged | None:
+        """The blocking copy of this rank's state, or None when it is not saved this time."""
         if not all(bool(p.detach().isfinite().all()) for k, kind in kinds.items() if kind == "module"
                    for p in state[k].parameters()):
-            return   # the next step's agreement names the divergence; never keep a NaN locally
+            return None   # the next step's agreement names the divergence; never keep a NaN locally
         t0 = time.perf_counter()
         staged = _copy_to_cpu(dcp_state(state, kinds))
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(staged))
         if not self._space_ok(nbytes):
-            return
+            return None
         small = copy.deepcopy((_rank_state(state, kinds), _app_state(state, kinds)))
         path = self.dir / f"step-{step}"
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpc_train-local")
-        fut = self._pool.submit(self._write, staged, small, path, step, kinds, t0)
-        self.pending = (fut, step, path)
         if not self.stats:   # where it is and what it costs, once per run and rank
+            ring = self.peers.ring if self.peers is not None else None
+            to = f"; copies to rank {', '.join(str(ring.buddy(d)) for d in range(1, ring.replicas + 1))}" \
+                if ring else ""
             log.info("local checkpoint tier: step %d to %s (%.1f MB, %.3fs blocking); every %s steps / %s s, "
-                     "keeping %d", step, self.dir, nbytes / 1e6, time.perf_counter() - t0,
-                     self.cfg.local_every_steps or "-", self.cfg.local_every_seconds or "-", self.cfg.local_keep)
+                     "keeping %d%s", step, self.dir, nbytes / 1e6, time.perf_counter() - t0,
+                     self.cfg.local_every_steps or "-", self.cfg.local_every_seconds or "-", self.cfg.local_keep, to)
         self.stats.append({"step": step, "blocked_s": time.perf_counter() - t0})
-        self.last_t, self.last_step = time.monotonic(), step
+        return _Staged(staged, small, path, kinds, t0)
+
+    def _background(self, job: _Staged | None, step: int) -> None:
+        """The writer thread: this rank's item, then the exchange with the peers. A failed write
+        is raised to wait() after the exchange, which the peers wait for either way."""
+        error: Exception | None = None
+        written = None
+        if job is not None:
+            try:
+                self._write(job.state, job.small, job.path, step, job.kinds, job.t0)
+                written = job.path
+            except Exception as e:  # noqa: BLE001 - raised below, once the peers had their exchange
+                error = e
+        if self.peers is not None and self._copies_off is None:
+            try:
+                self.peers.exchange(written, step, self.cfg.local_keep, receive=self.off is None and error is None)
+            except Exception as e:  # noqa: BLE001 - a peer gone mid-transfer: the run fails elsewhere if it must
+                self._copies_off = why(e)
+                log.warning("local checkpoint copies off for this run: the exchange of step %d failed (%s); the "
+                            "local and shared tiers go on", step, self._copies_off)
+        if error is not None:
+            raise error
 
     def _write(self, staged: dict[str, Any], small: tuple[Any, Any], path: Path, step: int,
                kinds: dict[str, str], t0: float) -> None:
@@ -212,7 +274,8 @@ class LocalTier:
         try:
             fut.result()
         except Exception as e:  # noqa: BLE001 - a local save never fails the run
-            shutil.rmtree(path, ignore_errors=True)
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
             self._turn_off(f"the save of step {step} in {path} failed ({why(e)})")
 
     # -- restore -------------------------------------------------------------------------------
@@ -225,16 +288,23 @@ class LocalTier:
             return []
         return sorted((store.inspect(p) for p in names), key=lambda i: i.step, reverse=True)
 
+    def _accepts(self, info: store.CkptInfo, rank: int) -> bool:
+        """A complete item of this run, at this world size, for ``rank``."""
+        return (info.complete and info.record.get("tier") == TIER and info.record.get("run_dir") == str(self.run_dir)
+                and info.record.get("world_size") == self.world and info.record.get("rank") == rank
+                and 0 <= rank < self.world and info.record.get("config_hash") == self.record.get("config_hash"))
+
     def usable(self) -> list[store.CkptInfo]:
         """This rank's complete items of this run, at this world size, newest first."""
-        return [i for i in self._items() if i.complete and i.record.get("tier") == TIER
-                and i.record.get("run_dir") == str(self.run_dir) and i.record.get("world_size") == self.world
-                and i.record.get("rank") == self.rank
-                and i.record.get("config_hash") == self.record.get("config_hash")]
+        return [i for i in self._items() if self._accepts(i, self.rank)]
 
     def choose(self, shared_step: int, device: torch.device, multi: bool) -> store.CkptInfo | None:
         """The item to restore: the newest step every rank holds, if not older than the shared
-        tier's newest (``shared_step``, -1: none). One all-gather; every rank decides the same."""
+        tier's newest (``shared_step``, -1: none). One all-gather; every rank decides the same.
+        With copies, see :meth:`_choose_with_copies`."""
+        self.wait()
+        if multi and self.peers is not None:
+            return self._choose_with_copies(shared_step, device)
         mine = [i.step for i in self.usable()][:_LISTED]
         steps = set(mine)
         if multi:
@@ -250,12 +320,50 @@ class LocalTier:
             return None
         return next(i for i in self.usable() if i.step == best)
 
+    def _choose_with_copies(self, shared_step: int, device: torch.device) -> store.CkptInfo | None:
+        """Every rank lists what its node holds, for any rank (after a lost node the ranks may sit
+        on other nodes than before); the newest step held for every rank wins, and a rank whose
+        node lacks its item receives it from a node that holds it (:meth:`peer.Peers.transfer`).
+        A fetch that fails returns an incomplete item: the caller's load then fails on that rank,
+        and every rank falls back together, with one warning."""
+        held = peer.held_on_node(self.node, self._accepts)
+        mine: dict[tuple[int, int], Path] = {}
+        for h in sorted(held, key=lambda h: h.copy):   # the node's own item before a copy
+            mine.setdefault((h.rank, h.step), h.path)
+        pairs = sorted(mine, key=lambda rs: -rs[1])
+        n = torch.tensor([len(pairs)], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        buf = torch.full((max(1, int(n.item())), 2), -1, dtype=torch.int64, device=device)
+        if pairs:
+            buf[:len(pairs)] = torch.tensor(pairs, dtype=torch.int64)
+        every = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, buf)
+        table = [[(int(r), int(s)) for r, s in b.cpu().tolist() if r >= 0] for b in every]
+        best, fetches = peer.plan_fetches(table, self.world, shared_step)
+        if best < 0:
+            return None
+        problem, got = None, mine.get((self.rank, best))
+        if fetches:
+            if any(r == self.rank for r, _ in fetches) and not self._made and self.off is None:
+                self._made = True   # a spare node: nothing here yet
+                self._turn_off(self._setup())
+            dest = self.dir if self.off is None else None
+            fetched, problem = self.peers.transfer(best, fetches, {r: p for (r, s), p in mine.items() if s == best},
+                                                   dest)
+            got = fetched or got
+        if got is None:
+            return store.CkptInfo(best, self.dir / f"step-{best}", False,
+                                  problem or f"no item of step {best} for rank {self.rank}")
+        return store.inspect(got)
+
     def restored(self, step: int) -> None:
         """After a restore from ``step`` (either tier): this rank's items newer than it are a future
         the run goes back from, and are removed; the timer starts again."""
         for info in self._items():
             if info.step > step:
                 shutil.rmtree(info.path, ignore_errors=True)
+        if self.peers is not None:
+            self.peers.restored(step)
         self.last_t, self.last_step = time.monotonic(), step
 
     # -- end -----------------------------------------------------------------------------------
@@ -269,6 +377,8 @@ class LocalTier:
             self._pool = None
         if remove:
             shutil.rmtree(self.dir, ignore_errors=True)
+            if self.peers is not None:
+                self.peers.remove()
             for d in (self.node, self.node.parent):
                 try:
                     d.rmdir()

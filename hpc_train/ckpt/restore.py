@@ -129,6 +129,8 @@ def _from_local(state: dict[str, Any], local, shared: store.CkptInfo | None, ran
         return None
     error: BaseException | None = None
     try:
+        if not item.complete:   # a copy that could not be fetched (see LocalTier.choose)
+            raise CheckpointError(item.problem or "not complete")
         checkpoint.load(state, item.path, rank, world_size, dict(kinds), single=True)
     except Exception as e:  # noqa: BLE001 - every rank falls back together
         error = e

@@ -70,7 +70,8 @@ def _list_local(run_dir: Path) -> None:
         local_dir = ""
     mine, seen = str(run_dir.resolve()), []
     for base in config_local.visible_bases(local_dir, os.environ):
-        for path in sorted(base.glob(f"{config_local.PREFIX}*/*/rank-*/step-*")):
+        for path in sorted([*base.glob(f"{config_local.PREFIX}*/*/rank-*/step-*"),
+                            *base.glob(f"{config_local.PREFIX}*/*/{config_local.COPIES}/rank-*/step-*")]):
             info = resume.inspect(path)
             if info.record.get("tier") == "local" and info.record.get("run_dir") == mine:
                 seen.append(info)
@@ -80,8 +81,11 @@ def _list_local(run_dir: Path) -> None:
     for i in sorted(seen, key=lambda i: (-i.step, str(i.path))):
         t = i.record.get("time")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
-        where = f"{i.path.parent.parent.name}/rank-{i.record.get('rank')}"
-        print(f"{i.step:>8}  {when:19}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  local {where}  "
+        copy = i.path.parent.parent.name == config_local.COPIES   # a peer's copy (hpc_train.ckpt.peer)
+        node = i.path.parent.parent.parent.name if copy else i.path.parent.parent.name
+        where = f"{node}/{config_local.COPIES + '/' if copy else ''}rank-{i.record.get('rank')}"
+        print(f"{i.step:>8}  {when:19}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  "
+              f"{'copy ' if copy else 'local'} {where}  "
               f"{i.path}")
 
 

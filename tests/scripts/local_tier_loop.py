@@ -5,13 +5,18 @@
 (torchrun's ``TORCHELASTIC_RESTART_COUNT`` 0) SIGKILLs itself right after ``step_end`` of that
 step, as a crashed rank would; torchrun's ``--max-restarts`` then starts every rank again in
 place. With ``LOCAL_TIER_FLIP`` set, rank 1 first flips one bit of its newest local item; with
-``LOCAL_TIER_UNFINISHED``, rank 0 leaves a shared step directory without a commit record. Before
-the kill, each rank writes the steps its node's local tier holds to
-``RUN_DIR/local-steps-R.json``; at the end, rank 0 writes the model's weights to ``RUN_DIR/final.pt``.
+``LOCAL_TIER_UNFINISHED``, rank 0 leaves a shared step directory without a commit record; with
+``LOCAL_TIER_LOSE_NODE``, rank 1 removes its node's whole local directory (a lost node's storage)
+and every rank is killed;
+with ``LOCAL_TIER_FLIP_COPY``, rank 0 flips a bit in its copy of rank 1's newest item. Before
+the kill, each rank writes the steps its node's local tier holds to ``RUN_DIR/local-steps-R.json``
+(and, with copies, the steps of the copies it holds to ``copies-R.json``); at the end, rank 0
+writes the model's weights to ``RUN_DIR/final.pt``.
 """
 
 import json
 import os
+import shutil
 import signal
 import sys
 
@@ -52,12 +57,23 @@ def main(steps: int, kill_at: int = 0) -> dict:
                 (run.run_dir / f"local-steps-{run.rank}.json").write_text(json.dumps(held))
                 if run.rank == 0 and os.environ.get("LOCAL_TIER_UNFINISHED"):   # a shared save cut short
                     (run.run_dir / "checkpoints" / "step-5").mkdir(parents=True)
+                copies = run._local.peers   # hpc_train.ckpt.peer: this rank's copies of its source's items
+                if copies is not None:
+                    source = copies.copies_dir(copies.ring.source(1))
+                    got = sorted(int(p.name[5:]) for p in source.glob("step-*") if p.name[5:].isdigit())
+                    (run.run_dir / f"copies-{run.rank}.json").write_text(json.dumps(got))
+                    if run.rank == 0 and os.environ.get("LOCAL_TIER_FLIP_COPY"):   # rank 1's newest, as held here
+                        _flip(next((source / f"step-{got[-1]}").glob("*.distcp")))
                 if run.rank == 1:
+                    if os.environ.get("LOCAL_TIER_LOSE_NODE"):   # the node's storage is gone, as with a lost node
+                        shutil.rmtree(run._local.node)
                     if os.environ.get("LOCAL_TIER_FLIP"):   # one bit of the newest item's tensor data
-                        shard = next((run._local.dir / f"step-{held[-1]}").glob("*.distcp"))
-                        data = bytearray(shard.read_bytes())
-                        data[len(data) // 2] ^= 0x10
-                        shard.write_bytes(bytes(data))
+                        _flip(next((run._local.dir / f"step-{held[-1]}").glob("*.distcp")))
+                if run.rank == 1 or os.environ.get("LOCAL_TIER_LOSE_NODE"):
+                    # With two torchrun agents (tests/test_checkpoint_peer.py) every rank ends here, as
+                    # srun's --kill-on-bad-exit ends every task of a step: each agent counts one failure,
+                    # so both restart with the same TORCHELASTIC_RESTART_COUNT (an agent that restarts for
+                    # the other's rejoining counts none, and the attempts' store prefixes would differ).
                     os.kill(os.getpid(), signal.SIGKILL)
             if state["step"] >= steps:
                 break
@@ -65,6 +81,13 @@ def main(steps: int, kill_at: int = 0) -> dict:
     if run.rank == 0:
         torch.save({k: v.clone() for k, v in net.state_dict().items()}, run.run_dir / "final.pt")
     return out
+
+
+def _flip(shard) -> None:
+    """One bit of a shard's tensor data."""
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
 
 
 if __name__ == "__main__":
