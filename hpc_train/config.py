@@ -178,7 +178,7 @@ class CheckpointSection:
     # with benchmarks/checkpoint.py). "never" for code that changes weights outside optimizer.step().
     overlap_staging: str = _f("auto", choices=("auto", "always", "never"))
     local_every_steps: int = _f(0, min=0, doc="node-local tier (docs/checkpoints.md); 0 = off")
-    local_every_seconds: float = _f(0.0, min=0, max=_WEEK, doc="local tier: e.g. 30; 0 = only by local_every_steps")
+    local_every_seconds: float = _f(30.0, min=0, max=_WEEK, doc="node-local tier; 0 and local_every_steps 0: off")
     local_dir: str = _f("", doc="'' = $SLURM_TMPDIR, else $TMPDIR, else /dev/shm")
     local_keep: int = _f(2, min=1)
     local_replicas: int = _f(1, min=0, doc="local tier: copies on the next node(s); 0 = none; < job.nodes")

@@ -97,8 +97,10 @@ def visible_bases(local_dir: str, env: Mapping[str, str]) -> list[Path]:
 
 # The allocation's node count now: after a lost node (--no-kill) it is below $SLURM_JOB_NUM_NODES,
 # which the batch shell keeps from the start, and an srun that asks for the old count waits forever.
+# A failed scontrol (a slow or restarting controller) says nothing, and under the script's
+# ``set -e -o pipefail`` must not end the job with its own status.
 NODES_NOW = ('hpc_train_nodes=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null '
-             "| sed -n 's/.*NumNodes=\\([0-9][0-9]*\\).*/\\1/p' | head -n 1)")
+             "| sed -n 's/.*NumNodes=\\([0-9][0-9]*\\).*/\\1/p' | head -n 1) || hpc_train_nodes=''")
 
 
 def shell_cleanup(local_dir: str) -> str:

@@ -100,6 +100,8 @@ def test_a_plain_sbatch_script_refuses_a_changed_model_before_it_trains(tmp_path
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.calls\n')
     (bin_dir / "scontrol").chmod(0o755)
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/cleanup.calls\n')   # the local tier's cleanup
+    (bin_dir / "srun").chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
            "SLURM_JOB_NUM_NODES": "1", "SLURMD_NODENAME": "node1", "PYTHONPATH": str(ROOT),
            "HOME": os.environ.get("HOME", "/root")}
@@ -107,7 +109,9 @@ def test_a_plain_sbatch_script_refuses_a_changed_model_before_it_trains(tmp_path
                          text=True, timeout=300, env=env)
     assert job.returncode == 2, job.stderr[-3000:]
     assert "model.hidden: 32 -> 64" in job.stderr, job.stderr[-3000:]
-    assert "refused" in job.stderr and not (tmp_path / "scontrol.calls").exists(), job.stderr[-3000:]
+    calls = (tmp_path / "scontrol.calls").read_text() if (tmp_path / "scontrol.calls").exists() else ""
+    # Nothing requeued (the local tier's cleanup asks scontrol for the node count: `show job`).
+    assert "refused" in job.stderr and "requeue" not in calls, (job.stderr[-3000:], calls)
     assert (rd / "config.yaml").read_text() == before
     assert steps(rd) == [2, 1] and not (rd / "result.json").exists()
 

@@ -166,7 +166,7 @@ def test_bad_local_tier_values_exit_2_in_one_line(setting, names):
 def test_the_config_shows_the_local_tier_defaults():
     p = hpc("config", "jobs/digits.yaml")
     assert p.returncode == 0, show(p)
-    for line in ("local_every_steps: 0", "local_every_seconds: 0.0", "local_dir: ''", "local_keep: 2"):
+    for line in ("local_every_steps: 0", "local_every_seconds: 30.0", "local_dir: ''", "local_keep: 2"):
         assert line in p.stdout, p.stdout
 
 
@@ -210,6 +210,32 @@ def test_ckpt_list_shows_the_local_items_a_crash_left(tmp_path):
     host = socket.gethostname()
     assert sorted((int(f[0]), f[-2]) for f in local) == [(s, f"{host}/rank-{r}") for s in (3, 6) for r in (0, 1)], \
         listing.stdout
+    # What status says an in-place restart would load (a torchrun restart's too): the local step 6,
+    # newer than the shared tier's 4.
+    from hpc_train.login.jobs import restart_point
+    assert restart_point(tmp_path / "runs" / "loop") == ("restarted in place: step 6 from the node-local tier "
+                                                         "(every rank of 2 held); a requeue: the shared tier's step 4")
+
+
+def _item(step: int, rank: int, world: int = 2, complete: bool = True, copy: bool = False):
+    from hpc_train.ckpt import store, tiers
+    info = store.CkptInfo(step, Path(f"/x/n/rank-{rank}/step-{step}"), complete, None,
+                          {"rank": rank, "world_size": world, "tier": "local"})
+    return tiers.LocalItem(info, "n", copy)
+
+
+@pytest.mark.parametrize("items, expected", [
+    ([], None),
+    ([_item(6, 0), _item(6, 1), _item(3, 0), _item(3, 1)], (6, 2)),
+    ([_item(6, 0), _item(3, 0), _item(3, 1)], (3, 2)),                      # rank 1's newest is lost
+    ([_item(6, 0), _item(6, 1, copy=True), _item(3, 0)], (6, 2)),           # a peer's copy counts
+    ([_item(6, 0), _item(6, 1, complete=False), _item(3, 0), _item(3, 1)], (3, 2)),   # incomplete does not
+    ([_item(9, 0, world=1), _item(6, 0), _item(6, 1)], (9, 1)),             # per world size, the newest
+    ([_item(6, 0), _item(6, 2)], None),                                     # rank 2 of 2: not a rank
+])
+def test_the_restart_step_is_the_newest_held_for_every_rank(items, expected):
+    from hpc_train.ckpt import tiers
+    assert tiers.restart_step(items) == expected
 
 
 def test_the_cleanup_asks_for_the_allocation_s_node_count_now(tmp_path):
@@ -219,8 +245,10 @@ def test_the_cleanup_asks_for_the_allocation_s_node_count_now(tmp_path):
     from hpc_train import config_local
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    line = config_local.NODES_NOW + '; echo "${hpc_train_nodes:-$SLURM_JOB_NUM_NODES}"'
-    for says, want in (("JobId=7 JobName=x\n   NumNodes=2 NumCPUs=2 NumTasks=2\n", "2"), ("", "3")):
+    # As in the batch script: set -euo pipefail. A failed scontrol is the old count, not the job's end.
+    line = 'set -euo pipefail; ' + config_local.NODES_NOW + '; echo "${hpc_train_nodes:-$SLURM_JOB_NUM_NODES}"'
+    for says, want in (("JobId=7 JobName=x\n   NumNodes=2 NumCPUs=2 NumTasks=2\n", "2"), ("", "3"),
+                       ("' >&2; exit 1; echo '", "3")):
         (bin_dir / "scontrol").write_text(f"#!/bin/sh\nprintf '%s' '{says}'\n")
         (bin_dir / "scontrol").chmod(0o755)
         got = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=30,

@@ -84,8 +84,12 @@ def _job(tmp_path: Path, script: str, *, statuses: list[int], nodes: str = "node
           f'case "$*" in *%S*%N*) [ "$3" = {job} ] && echo "$limit|{now or nodes}";; '
           f'*%N*) [ "$3" = {job} ] && echo {now or nodes};; *%S*) [ "$3" = {job} ] && echo "$limit";; esac\n')
     _tool(bin_dir, "sinfo", down if sinfo_fails else f"printf '{(states or '').replace(' ', chr(92) + 'n')}\\n'\n")
-    _tool(bin_dir, "scontrol", f'echo "$@" >> {tmp_path}/scontrol.calls\n'
+    # `scontrol show job` is the local tier's cleanup asking for the node count (not logged: the
+    # tests count what the hook asks of Slurm); the cleanup's own srun is the program on PATH
+    # (`command srun`), which logs to cleanup.calls and never reaches a real cluster.
+    _tool(bin_dir, "scontrol", f'[ "$1" = show ] || echo "$@" >> {tmp_path}/scontrol.calls\n'
           + ('echo "scontrol: error: Unable to contact slurm controller" >&2; exit 1\n' if scontrol_fails else ""))
+    _tool(bin_dir, "srun", f'echo "$@" >> {tmp_path}/cleanup.calls\n')
     srun = (f'srun() {{ a="$*"; echo "${{a%%--kill-on-bad-exit*}}" >> {tmp_path}/srun.calls; '
             f'n=$(wc -l < {tmp_path}/srun.calls); s=({" ".join(map(str, statuses))}); {each} '
             f'if [ "$n" -le {len(statuses)} ]; then return "${{s[$((n-1))]}}"; fi; '
@@ -374,7 +378,8 @@ def test_an_in_place_restart_after_resume_path_goes_on_from_the_run_s_own_checkp
             f'SLURM_STEP_NODELIST=node1 SLURM_TASKS_PER_NODE=1 MASTER_ADDR=127.0.0.1 "$@"; }}\n')
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _tool(bin_dir, "scontrol", f'echo "$@" >> {tmp_path}/scontrol.calls\n')
+    _tool(bin_dir, "scontrol", f'[ "$1" = show ] || echo "$@" >> {tmp_path}/scontrol.calls\n')
+    _tool(bin_dir, "srun", f'echo "$@" >> {tmp_path}/cleanup.calls\n')     # the local tier's cleanup
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": JOB, "SLURM_JOB_NODELIST": "node1",
            "SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1", "SLURMD_NODENAME": "node1", "SLURM_RESTART_COUNT": "0",
            "PYTHONPATH": str(root), "HPC_TEST_FAIL_MARKER": str(marker), "HPC_TEST_FAIL_RUN": "run",

@@ -39,6 +39,8 @@ def _job(tmp_path: Path, script: str, fails: int, restart_count: int = 0, first:
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f'#!/bin/sh\nif [ "$1" = show ]; then echo node1; else echo "$@" >> {tmp_path}/scontrol.calls; fi\n')
     scontrol.chmod(0o755)
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/cleanup.calls\n')   # the local tier's cleanup
+    (bin_dir / "srun").chmod(0o755)
     srun = (f'srun() {{ n=$(( $(cat {tmp_path}/srun.calls 2>/dev/null || echo 0) + 1 )); '
             f'echo "$n" > {tmp_path}/srun.calls; '
             + (f'if [ "$n" -eq 1 ]; then {first} fi; ' if first else "")
@@ -134,8 +136,10 @@ def _nodes_job(tmp_path: Path, script: str, now: str, states: str) -> subprocess
     for name, text in (("squeue", f"2026-01-01T00:00:00|UNLIMITED|{now}"), ("sinfo", states.replace(" ", "\\n"))):
         (bin_dir / name).write_text(f"#!/bin/sh\nprintf '{text}\\n'\n")
         (bin_dir / name).chmod(0o755)
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.calls\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\n[ \"$1\" = show ] || echo \"$@\" >> {tmp_path}/scontrol.calls\n")
     (bin_dir / "scontrol").chmod(0o755)
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/cleanup.calls\n')   # the local tier's cleanup
+    (bin_dir / "srun").chmod(0o755)
     srun = (f'srun() {{ a="$*"; echo "${{a%%--kill-on-bad-exit*}}" >> {tmp_path}/srun.calls; n=$(wc -l < {tmp_path}/srun.calls); '
             f'if [ "$n" -le 1 ]; then return 1; fi; echo "{{}}" > "$RUN_DIR/result.json"; }}\n')
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",

@@ -44,14 +44,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpc_train import config_local
-from hpc_train.ckpt import peer, store
+from hpc_train.ckpt import peer, store, tiers
 from hpc_train.ckpt.common import APP_FILE, dcp_state, rank_file, why
 from hpc_train.ckpt.crc import ChecksummingWriter, save_pt
 from hpc_train.ckpt.save import _app_state, _rank_state
 from hpc_train.config import Config
 
 log = logging.getLogger("hpc_train")
-TIER = "local"
+TIER = tiers.TIER   # the commit record's "tier"
 _LISTED = 16   # steps per rank in the restore's all-gather (local_keep is small; the newest count)
 
 

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from hpc_train import rundir
+from hpc_train import config_local, rundir
 from hpc_train.ckpt import store as resume
 from hpc_train.errors import UsageError
 
@@ -63,30 +63,24 @@ def cmd_list(run_dir: Path) -> int:
 def _list_local(run_dir: Path) -> None:
     """The node-local tier's items of this run (hpc_train.ckpt.local) that this machine can see:
     those of its own node(s) when ``ckpt list`` runs where the run does; a login node sees none."""
-    from hpc_train import config, config_local
+    from hpc_train import config
+    from hpc_train.ckpt import tiers
     try:
         local_dir = config.load(run_dir / rundir.CONFIG).checkpoint.local_dir
     except (UsageError, OSError):
         local_dir = ""
-    mine, seen = str(run_dir.resolve()), []
-    for base in config_local.visible_bases(local_dir, os.environ):
-        for path in sorted([*base.glob(f"{config_local.PREFIX}*/*/rank-*/step-*"),
-                            *base.glob(f"{config_local.PREFIX}*/*/{config_local.COPIES}/rank-*/step-*")]):
-            info = resume.inspect(path)
-            if info.record.get("tier") == "local" and info.record.get("run_dir") == mine:
-                seen.append(info)
+    seen = tiers.local_items(run_dir, local_dir)
     if not seen:   # a login node, or a run without the tier: nothing to say
         return
     print("local tier (node-local, one item per rank; the newest step every rank holds is restored first):")
-    for i in sorted(seen, key=lambda i: (-i.step, str(i.path))):
+    for item in seen:
+        i = item.info
         t = i.record.get("time")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
-        copy = i.path.parent.parent.name == config_local.COPIES   # a peer's copy (hpc_train.ckpt.peer)
-        node = i.path.parent.parent.parent.name if copy else i.path.parent.parent.name
-        where = f"{node}/{config_local.COPIES + '/' if copy else ''}rank-{i.record.get('rank')}"
+        where = f"{item.node}/{config_local.COPIES + '/' if item.copy else ''}rank-{i.record.get('rank')}"
+        status = "" if i.complete else f"  INCOMPLETE: {i.problem}"
         print(f"{i.step:>8}  {when:19}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  "
-              f"{'copy ' if copy else 'local'} {where}  "
-              f"{i.path}")
+              f"{'copy ' if item.copy else 'local'} {where}  {i.path}{status}")
 
 
 def verify_one(info: resume.CkptInfo) -> str | None:

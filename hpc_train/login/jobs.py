@@ -106,6 +106,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             running = _local_state(run_dir, unread)
         elif not result.finished(run_dir):
             print(f"  if it stops: {resume_point(run_dir)}")
+            restart = restart_point(run_dir)
+            if restart:
+                print(f"  {restart}")
         tail = metrics_tail(run_dir)     # read from the end: a long run's file is big
         if tail.problem is not None:
             unread.append(f"{rundir.METRICS} {tail.problem}")
@@ -167,6 +170,9 @@ def _local_state(run_dir: Path, unread: list[str]) -> bool:
         newest = resume_point(run_dir)
         print(f"  rerun: refused while it runs (the run directory is in use); killed now: {newest}; a stop "
               f"saves its step first")
+        restart = restart_point(run_dir)
+        if restart:
+            print(f"  {restart}")
         return True
     print(f"  rerun: {outcome.rerun(run_dir, goodput.steps_reported(run_dir))}")
     return False
@@ -192,6 +198,34 @@ def resume_point(run_dir: Path) -> str:
     if own_code:
         return "no hpc_train checkpoint: the code resumes from its own checkpoints, if it keeps any"
     return "no checkpoint: a rerun starts from step 0"
+
+
+def restart_point(run_dir: Path) -> str | None:
+    """What an in-place restart (a crash, a lost node, a swap; the same allocation) starts from
+    when the run keeps the node-local tier: its newest step held for every rank, own or a
+    peer's copy, if at least as new as the shared tier's newest (as the restore decides). A
+    requeue lands on nodes that hold nothing, so it always starts from the shared tier. None
+    when the run has no local tier."""
+    from hpc_train import config, config_local
+    from hpc_train.ckpt import store, tiers
+    try:
+        section = config.load(run_dir / rundir.CONFIG).checkpoint
+    except (UsageError, OSError):
+        return None
+    if not config_local.enabled(section):
+        return None
+    shared = store.newest_complete(run_dir)
+    held = tiers.restart_step(tiers.local_items(run_dir, section.local_dir))
+    on_shared = f"the shared tier's step {shared.step}" if shared is not None else "step 0 (no shared checkpoint yet)"
+    if held is None:
+        return (f"restarted in place: the node-local tier's newest step held for every rank, if newer (its nodes' "
+                f"directories are not visible from here), else {on_shared}; a requeue: {on_shared}")
+    step, world = held
+    if shared is not None and shared.step > step:
+        return (f"restarted in place: {on_shared} (the node-local tier's newest, step {step}, is older); "
+                f"a requeue: the same")
+    return (f"restarted in place: step {step} from the node-local tier (every rank of {world} held); "
+            f"a requeue: {on_shared}")
 
 
 _PIECE = 1 << 20     # how much of a log is read at a time

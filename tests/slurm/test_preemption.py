@@ -444,3 +444,42 @@ def test_a_lost_nodes_rank_fetches_its_item_from_the_buddys_copy_bitwise(slurm, 
     assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
     assert losses(run_dir) == ref_losses
     print(f"lost node {lost}: rank 1 fetched step {step} from {holder}'s copy, {mb} MB in {secs} s")
+
+
+def test_a_damaged_local_item_falls_back_to_the_shared_tier_in_one_line_bitwise(slurm, reference, tmp_path):
+    """Issue 30.4: the local tier every 5 steps, the shared tier every 200. Rank 1 is frozen, a
+    bit is flipped in every item its node holds of it (a bad page in the node's memory), and it
+    is killed -9. The step restarts in place; rank 1's item fails its checksums on load, rank 1
+    says so in one line, every rank falls back to the shared tier together, and the run ends
+    bitwise equal to the uninterrupted one. (It shares this module's reference.)"""
+    run_dir = tmp_path / "job"
+    job, pid = _two_node_job_at(slurm, run_dir, STEPS, 30, 300, "--set", "checkpoint.local_every_steps=5")
+    log1 = (run_dir / "logs" / "rank-1.log").read_text()
+    node_dir = Path(re.search(r"local checkpoint tier: step \d+ to (\S+)/rank-1 ", log1)[1])
+    os.kill(pid, signal.SIGSTOP)    # its writer thread too: no item changes under the flips
+    try:
+        status = slurm.cli("status", run_dir).stdout    # what a restart would load (issue 30.7)
+        assert re.search(r"restarted in place: step \d+ from the node-local tier \(every rank of 2 held\); "
+                         r"a requeue: the shared tier's step \d+", status), status
+        items = sorted(p for p in (node_dir / "rank-1").glob("step-*") if (p / "commit.json").exists())
+        assert items, list((node_dir / "rank-1").iterdir())
+        for item in items:
+            data = max((f for f in item.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
+            raw = bytearray(data.read_bytes())
+            raw[len(raw) // 2] ^= 0x10
+            data.write_bytes(bytes(raw))
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    log0 = _assert_recovered_in_place(slurm, job, run_dir, STEPS)
+    log1 = (run_dir / "logs" / "rank-1.log").read_text()
+    skipped = re.findall(r"skipping local checkpoint (\S+): it does not load: (.*); restoring from the shared tier",
+                         log1)
+    assert len(skipped) == 1 and "/rank-1/step-" in skipped[0][0], log1[-3000:]
+    assert "skipping local checkpoint" not in log0, log0[-3000:]     # one line, from the rank that found it
+    for log in (log0, log1):
+        resumed = re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \((local|shared) tier", log)
+        assert resumed[-1][1] == "shared" and int(resumed[-1][0]) % 200 == 0, resumed
+    ref, ref_losses = reference
+    assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
+    assert losses(run_dir) == ref_losses
+    print(f"damaged local item: {skipped[0][1]}")
