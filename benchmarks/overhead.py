@@ -11,7 +11,7 @@ torch thread per rank, Adam at lr 1e-3:
   backward, step), written here from scratch;
 * **hpc_train**: ``python -m hpc_train run JOB --nproc 2`` with the default config (schedule,
   TensorBoard, metrics, progress lines, stop-flag agreement every step), checkpoints off; and
-  again with async checkpoints every 10 steps.
+  again with async checkpoints every 10 steps; and with the node-local tier alone every 10 steps.
 
 Measured identically on both sides: rank 0 stamps the wall clock at the end of every optimizer
 step (hpc_train's own ``metrics.jsonl`` record; a list in the hand-written loop), and the
@@ -101,7 +101,8 @@ def run_hand_written(steps: int, workdir: Path) -> list[float]:
 
 
 # -- hpc_train ------------------------------------------------------------------------------------
-def run_hpc_train(steps: int, workdir: Path, checkpoints: bool, tag: str, stragglers: bool = True) -> list[float]:
+def run_hpc_train(steps: int, workdir: Path, checkpoints: bool, tag: str, stragglers: bool = True,
+                  local: bool = False) -> list[float]:
     job = workdir / "bench.yaml"
     job.write_text("job:\n  name: overhead-bench\n")          # every other value: hpc_train's defaults
     run_dir = workdir / f"run-{tag}"
@@ -113,6 +114,10 @@ def run_hpc_train(steps: int, workdir: Path, checkpoints: bool, tag: str, stragg
     if checkpoints:
         sets["checkpoint.every_steps"] = 10
         sets["checkpoint.every_seconds"] = 0      # exactly every 10 steps: no timed saves between them
+        sets["checkpoint.local_every_seconds"] = 0
+    if local:   # issue 30: the node-local tier alone, every 10 steps (the shared tier only at the end)
+        sets.update({"checkpoint.enabled": "true", "checkpoint.every_steps": 0, "checkpoint.every_seconds": 0,
+                     "checkpoint.local_every_steps": 10, "checkpoint.local_every_seconds": 0})
     argv = [sys.executable, "-m", "hpc_train", "run", str(job), "--nproc", str(WORLD), "--run-dir", str(run_dir)]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
     variants = {"hand": "hand-written DDP loop", "hpc": "hpc_train, checkpoints off",
                 "hpc_ckpt": "hpc_train, async checkpoint every 10 steps",
-                "hpc_nostrag": "hpc_train, checkpoints and stragglers off"}
+                "hpc_nostrag": "hpc_train, checkpoints and stragglers off",
+                "hpc_local": "hpc_train, node-local tier every 10 steps"}
     reps = Reps()
     print(f"ConvNet, synthetic 1x28x28, batch {BATCH}/rank x {WORLD} ranks (gloo, 1 thread/rank), Adam; "
           f"{steps} steps per run, rate over steps {warmup + 1}-{steps}; {args.reps} interleaved repetitions",
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             stamps = run_hand_written(steps, work)
         else:
             stamps = run_hpc_train(steps, work, checkpoints=key == "hpc_ckpt", tag=f"{key}-{rep}",
-                                   stragglers=key != "hpc_nostrag")
+                                   stragglers=key != "hpc_nostrag", local=key == "hpc_local")
         return steady_rate(stamps, warmup), typical_rate(stamps, warmup)
 
     with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as tmp:
@@ -244,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
           + f"with async checkpoints every 10 steps: {ratio(med['hpc_ckpt'], med['hand'])} "
           f"(hand-written {reps.basis('hand')}; hpc_train {reps.basis('hpc')}; with checkpoints "
           f"{reps.basis('hpc_ckpt')}). Total {time.time() - t0:.0f} s.")
+    rl = ratio(med["hpc_local"], med["hpc"])
+    print(f"node-local tier every 10 steps / checkpoints off, the same trainer: {rl}"
+          + (f" (target >= 0.97: {'met' if float(rl) >= 0.97 else 'NOT met'})" if rl != "n/a" else ""))
     rs = ratio(med["hpc"], med["hpc_nostrag"])
     print(f"straggler detection on (every 50 steps, the default) / off: {rs}"
           + (f" (target >= 0.99: {'met' if float(rs) >= 0.99 else 'NOT met'})" if rs != "n/a" else ""))

@@ -30,6 +30,7 @@ from typing import Any
 from hpc_train.errors import UsageError
 
 PREFIX = "hpc_train-"
+CLEANUP_STEP = "hpc_train-cleanup"   # the cleanup's job step name (sacct tells it from training's steps)
 DEFAULT_BASE = "/dev/shm"
 COPIES = "copies"   # a buddy's copies beside the node's own (hpc_train.ckpt.peer)
 
@@ -89,7 +90,9 @@ def this_process(local_dir: str) -> Path:
 def visible_bases(local_dir: str, env: Mapping[str, str]) -> list[Path]:
     """Where ``ckpt list`` looks for a run's local items from this machine."""
     out: list[Path] = []
-    for b in (local_dir, env.get("SLURM_TMPDIR"), env.get("TMPDIR"), DEFAULT_BASE):
+    # /tmp too: slurmd sets a job's TMPDIR to its TmpFS (/tmp unless configured), which the shell
+    # that runs ``status`` or ``ckpt list`` does not have.
+    for b in (local_dir, env.get("SLURM_TMPDIR"), env.get("TMPDIR"), DEFAULT_BASE, "/tmp"):
         if b and Path(b) not in out:
             out.append(Path(b))
     return out
@@ -110,5 +113,6 @@ def shell_cleanup(local_dir: str) -> str:
     exit status; ``timeout``: nor hold the job's end."""
     base = f"${{0:-${{SLURM_TMPDIR:-${{TMPDIR:-{DEFAULT_BASE}}}}}}}"
     arg = shlex.quote(local_dir) if local_dir else "''"
-    return (f'timeout 60 srun --nodes="${{hpc_train_nodes:-$SLURM_JOB_NUM_NODES}}" --ntasks-per-node=1 '
+    return (f'timeout 60 srun --job-name={CLEANUP_STEP} --nodes="${{hpc_train_nodes:-$SLURM_JOB_NUM_NODES}}" '
+            f'--ntasks-per-node=1 '
             f"--kill-on-bad-exit=0 bash -c 'rm -rf -- \"{base}/{PREFIX}$SLURM_JOB_ID\"' {arg} >/dev/null 2>&1 || true")

@@ -150,6 +150,12 @@ def main() -> None:
     if trainer.is_global_zero and args.weights:
         torch.save(model.state_dict(), args.weights)
         print(f"final weights saved to {args.weights} at step {trainer.global_step}", flush=True)
+    # Lightning leaves its process group up after fit. Ending the process with it still up
+    # sometimes aborts at interpreter exit ("terminate called without an active exception": a
+    # gloo thread still joinable), which reads as a failed rank; the tutorials' cleanup() avoids it.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ class Cluster:
 
     def job_steps(self, job_id: str) -> list[str]:
         """The job's numbered steps (``JOB.0``, ``JOB.1``, ...), as sacct lists them."""
-        out = self.run("sacct", "-n", "-P", "-j", job_id, "-o", "JobID", check=True).stdout.split()
-        return [x for x in out if re.fullmatch(rf"{job_id}\.\d+", x)]
+        out = self.run("sacct", "-n", "-P", "-j", job_id, "-o", "JobID,JobName", check=True).stdout.split()
+        # Not the local tier's cleanup at the job's end (a step of its own, by name).
+        return [x.split("|")[0] for x in out if re.fullmatch(rf"{job_id}\.\d+\|.*", x)
+                and x.split("|")[1] != "hpc_train-cleanup"]
 
     def restarts(self, job_id: str) -> int:
         """Slurm's ``Restarts`` of the job (requeues), from ``scontrol show job``."""

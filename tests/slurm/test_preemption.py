@@ -472,9 +472,9 @@ def test_a_damaged_local_item_falls_back_to_the_shared_tier_in_one_line_bitwise(
         os.kill(pid, signal.SIGKILL)
     log0 = _assert_recovered_in_place(slurm, job, run_dir, STEPS)
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
-    skipped = re.findall(r"skipping local checkpoint (\S+): it does not load: (.*); restoring from the shared tier",
-                         log1)
-    assert len(skipped) == 1 and "/rank-1/step-" in skipped[0][0], log1[-3000:]
+    skipped = re.findall(r"skipping local checkpoint step \d+ \((\S+)\): it does not load: (.*); restoring from the "
+                         r"shared tier", log1)
+    assert len(skipped) == 1 and "/rank-1/step-" in skipped[0][0] and "crc32c" in skipped[0][1], log1[-3000:]
     assert "skipping local checkpoint" not in log0, log0[-3000:]     # one line, from the rank that found it
     for log in (log0, log1):
         resumed = re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \((local|shared) tier", log)
