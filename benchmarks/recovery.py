@@ -46,8 +46,9 @@ from preemption import _json, sets, steps_done, submit, wait_gone, wait_steps  #
 from reps import Reps  # noqa: E402
 from submit_latency import local_cluster  # noqa: E402
 
-VARIANTS = {"in place": sets(job__restarts_in_place=100, job__requeue_failure=0),
-            "requeue": sets(job__restarts_in_place=0, job__requeue_failure=100),
+# The node-local tier is on by default (every 30 s): off in the first two, the shared tier alone.
+VARIANTS = {"in place": sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__local_every_seconds=0),
+            "requeue": sets(job__restarts_in_place=0, job__requeue_failure=100, checkpoint__local_every_seconds=0),
             # Issue 30: the shared tier every 200 steps, each node's own memory every 5 steps.
             "local tier": sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__every_steps=200,
                                checkpoint__local_every_steps=5)}

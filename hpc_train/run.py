@@ -275,11 +275,13 @@ class Run:
                 t0 = time.perf_counter()
                 self.sync_buffers()
                 guard.check_weights(state, kinds, self._multi, step, self._ckpt)
+                self._report.checkpointed(step)
                 ckpt.save(state, step, blocking=stop, kinds=kinds)
                 if ledger is not None:
                     self._report.saved(ledger, step, time.perf_counter() - t0)
                 self._progress.leave(before)
         if local is not None and not stop and local.due(step, local_timed):
+            self._report.checkpointed(step)
             local.save(state, step, kinds)
         if stop:
             self._on_stop(step)

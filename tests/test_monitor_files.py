@@ -120,3 +120,27 @@ def test_other_ranks_open_nothing(tmp_path):
     m.flush()
     m.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpointed_step_and_every_record_before_it_are_on_disk_at_once(tmp_path):
+    """A restart resumes after the step it loads and never logs the steps before it again: their
+    records must not wait for the clock (FLUSH_S) in a buffer a crash would lose. Before a save
+    of step 4 the records up to it go to disk; step 4's own, logged after its step_end (as the
+    built-in trainer does), at once; later steps wait for the clock again."""
+    from hpc_train.config import Config
+    from hpc_train.node.report import Reporter
+    cfg = Config()
+    cfg.log.tensorboard = False
+    r = Reporter(cfg, tmp_path, is_main=True)
+    try:
+        for step in (1, 2, 3):
+            r.record(step, {"loss": 1.0}, 100, 0, epoch=None, console=False)
+        assert _metric_steps(tmp_path) == [1]          # the first step is flushed at once, then the clock
+        r.checkpointed(4)
+        assert _metric_steps(tmp_path) == [1, 2, 3]
+        r.record(4, {"loss": 1.0}, 100, 0, epoch=None, console=False)
+        assert _metric_steps(tmp_path) == [1, 2, 3, 4]
+        r.record(5, {"loss": 1.0}, 100, 0, epoch=None, console=False)
+        assert _metric_steps(tmp_path) == [1, 2, 3, 4]
+    finally:
+        r.close()

@@ -16,6 +16,7 @@ class Reporter:
         self.cfg, self.run_dir, self.is_main = cfg, Path(run_dir), is_main
         self._ledger = None
         self._monitor = None
+        self._saved_step: int | None = None
 
     def ledger(self):
         """Rank 0's goodput ledger; None on other ranks (see :mod:`hpc_train.goodput`)."""
@@ -35,6 +36,17 @@ class Reporter:
     def record(self, step: int, scalars: dict[str, Any], total_steps: int | None, start_step: int, *,
                epoch: int | None, console: bool) -> None:
         self.monitor(total_steps, start_step).record(step, scalars, epoch=epoch, console=console)
+        if step == self._saved_step:   # logged after its step_end: see checkpointed
+            self.flush()
+
+    def checkpointed(self, step: int) -> None:
+        """A save of ``step`` begins (either tier): the records up to it go to disk now, and the
+        record of ``step`` itself as soon as it is logged. A restart resumes after ``step`` and
+        never logs those steps again; records still buffered at a crash (the monitor flushes on
+        a clock) would be missing for good, and the node-local tier's restarts resume seconds,
+        not minutes, behind."""
+        self._saved_step = step
+        self.flush()
 
     def aside(self, step: int, scalars: dict[str, float], total_steps: int | None, start_step: int) -> None:
         self.monitor(total_steps, start_step).aside(step, scalars)
