@@ -212,8 +212,10 @@ def test_ckpt_list_shows_the_local_items_a_crash_left(tmp_path):
         listing.stdout
     # What status says an in-place restart would load (a torchrun restart's too): the local step 6,
     # newer than the shared tier's 4.
+    from hpc_train.ckpt import store
     from hpc_train.login.jobs import restart_point
-    assert restart_point(tmp_path / "runs" / "loop") == ("restarted in place: step 6 from the node-local tier "
+    run_dir = tmp_path / "runs" / "loop"
+    assert restart_point(run_dir, store.newest_complete(run_dir)) == ("restarted in place: step 6 from the node-local tier "
                                                          "(every rank of 2 held); a requeue: the shared tier's step 4")
 
 

@@ -85,24 +85,23 @@ class Held:
     copy: bool
 
 
+def _numbered(parent: Path, prefix: str) -> list[tuple[int, Path]]:
+    """(N, path) of ``parent``'s entries named ``PREFIX-N`` that are not symlinks; none when
+    ``parent`` cannot be listed."""
+    try:
+        return [(int(p.name[len(prefix):]), p) for p in parent.iterdir()
+                if p.name.startswith(prefix) and p.name[len(prefix):].isdigit() and not p.is_symlink()]
+    except OSError:
+        return []
+
+
 def held_on_node(node: Path, usable) -> list[Held]:
     """Every complete item under ``node`` (``rank-R/step-N`` and ``copies/rank-R/step-N``) that
     ``usable(info, R)`` accepts; never through a symlink."""
     out: list[Held] = []
     for parent, is_copy in ((node, False), (node / COPIES, True)):
-        try:
-            rank_dirs = [p for p in parent.iterdir() if p.name.startswith("rank-") and p.name[5:].isdigit()
-                         and not p.is_symlink()]
-        except OSError:
-            continue
-        for rd in rank_dirs:
-            r = int(rd.name[5:])
-            try:
-                steps = [p for p in rd.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit()
-                         and not p.is_symlink()]
-            except OSError:
-                continue
-            for p in steps:
+        for r, rank_dir in _numbered(parent, "rank-"):
+            for _, p in _numbered(rank_dir, "step-"):
                 info = store.inspect(p)
                 if info.complete and usable(info, r):
                     out.append(Held(r, info.step, p, is_copy))

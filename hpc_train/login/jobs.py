@@ -12,11 +12,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_train import rundir
 from hpc_train.errors import UsageError
 from hpc_train.login import outcome, scheduler
 from hpc_train.logs import metrics_tail
+
+if TYPE_CHECKING:
+    from hpc_train.ckpt import store
 
 
 def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
@@ -105,8 +109,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         if not ids:
             running = _local_state(run_dir, unread)
         elif not result.finished(run_dir):
-            print(f"  if it stops: {resume_point(run_dir)}")
-            restart = restart_point(run_dir)
+            from hpc_train.ckpt import store
+            newest = store.newest_complete(run_dir)
+            print(f"  if it stops: {resume_point(run_dir, newest)}")
+            restart = restart_point(run_dir, newest)
             if restart:
                 print(f"  {restart}")
         tail = metrics_tail(run_dir)     # read from the end: a long run's file is big
@@ -167,10 +173,11 @@ def _local_state(run_dir: Path, unread: list[str]) -> bool:
     state = outcome.decide(facts)
     print(f"  local run: {state.line}")
     if state.kind == "running":
-        newest = resume_point(run_dir)
-        print(f"  rerun: refused while it runs (the run directory is in use); killed now: {newest}; a stop "
-              f"saves its step first")
-        restart = restart_point(run_dir)
+        from hpc_train.ckpt import store
+        newest = store.newest_complete(run_dir)
+        print(f"  rerun: refused while it runs (the run directory is in use); killed now: "
+              f"{resume_point(run_dir, newest)}; a stop saves its step first")
+        restart = restart_point(run_dir, newest)
         if restart:
             print(f"  {restart}")
         return True
@@ -178,14 +185,13 @@ def _local_state(run_dir: Path, unread: list[str]) -> bool:
     return False
 
 
-def resume_point(run_dir: Path) -> str:
-    """What running the job again in ``run_dir`` starts from: the newest complete checkpoint (its
-    size record; resume also checks its checksums), or nothing. A script's own snapshots are
-    invisible to hpc_train, so for a script only its hpc_train checkpoints are named."""
+def resume_point(run_dir: Path, newest: store.CkptInfo | None) -> str:
+    """What running the job again in ``run_dir`` starts from: ``newest``, its newest complete
+    checkpoint (:func:`store.newest_complete`: its size record; resume also checks its
+    checksums), or nothing. A script's own snapshots are invisible to hpc_train, so for a script
+    only its hpc_train checkpoints are named."""
     import yaml
 
-    from hpc_train.ckpt import store
-    newest = store.newest_complete(run_dir)
     if newest is not None:
         saved = newest.record.get("time")
         age = f" (checkpoint {outcome.age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
@@ -200,21 +206,21 @@ def resume_point(run_dir: Path) -> str:
     return "no checkpoint: a rerun starts from step 0"
 
 
-def restart_point(run_dir: Path) -> str | None:
+def restart_point(run_dir: Path, shared: store.CkptInfo | None) -> str | None:
     """What an in-place restart (a crash, a lost node, a swap; the same allocation) starts from
     when the run keeps the node-local tier: its newest step held for every rank, own or a
     peer's copy, if at least as new as the shared tier's newest (as the restore decides). A
-    requeue lands on nodes that hold nothing, so it always starts from the shared tier. None
-    when the run has no local tier."""
+    requeue lands on nodes that hold nothing, so it always starts from the shared tier
+    (``shared``: its newest complete checkpoint, as for :func:`resume_point`). None when the run
+    has no local tier."""
     from hpc_train import config, config_local
-    from hpc_train.ckpt import store, tiers
+    from hpc_train.ckpt import tiers
     try:
         section = config.load(run_dir / rundir.CONFIG).checkpoint
     except (UsageError, OSError):
         return None
     if not config_local.enabled(section):
         return None
-    shared = store.newest_complete(run_dir)
     held = tiers.restart_step(tiers.local_items(run_dir, section.local_dir))
     on_shared = f"the shared tier's step {shared.step}" if shared is not None else "step 0 (no shared checkpoint yet)"
     if held is None:
