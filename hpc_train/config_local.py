@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shlex
 import socket
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -116,3 +117,15 @@ def shell_cleanup(local_dir: str) -> str:
     return (f'timeout 60 srun --job-name={CLEANUP_STEP} --nodes="${{hpc_train_nodes:-$SLURM_JOB_NUM_NODES}}" '
             f'--ntasks-per-node=1 '
             f"--kill-on-bad-exit=0 bash -c 'rm -rf -- \"{base}/{PREFIX}$SLURM_JOB_ID\"' {arg} >/dev/null 2>&1 || true")
+
+
+def real_dir(path: Path) -> str | None:
+    """Why ``path`` is not a real directory of this user (a symlink, another owner's), else None."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to another user"
+    return None

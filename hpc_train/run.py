@@ -254,6 +254,8 @@ class Run:
                              + "; it counts the optimizer steps done and only goes up (state['step'] += 1 per step)")
         self.stop.listening = True
         self._stragglers.arrived()
+        if self._local is not None:   # before the agreement: a rank past it has its last item written
+            self._local.settle(step)  # (a crash redoes at most one interval)
         sums = self._agreement.collect(self.device)
         self._progress.stepped(step)
         stop, timed = bool(sums[0] > 0), bool(sums[1] > 0)

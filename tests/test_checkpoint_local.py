@@ -33,6 +33,16 @@ import hpc_train
 import os
 hpc_train.init(overrides=["checkpoint.every_steps=" + os.environ.get("SHARED_EVERY", "4"), "checkpoint.every_seconds=0",
                           "checkpoint.local_every_steps=3", "checkpoint.local_dir=" + sys.argv[3], "log.tensorboard=false"])
+if os.environ.get("LOCAL_TIER_SLOW_WRITE"):
+    # A fake slow disk (a fault this machine's /dev/shm cannot show): each local item's write
+    # starts this many seconds late, on the tier's writer thread.
+    import time
+    from hpc_train.ckpt.local import LocalTier
+    _write = LocalTier._write
+    def _slow(self, *a, **kw):
+        time.sleep(float(os.environ["LOCAL_TIER_SLOW_WRITE"]))
+        return _write(self, *a, **kw)
+    LocalTier._write = _slow
 import local_tier_loop
 local_tier_loop.main(int(sys.argv[1]), int(sys.argv[2]))
 """
@@ -84,6 +94,20 @@ def test_a_rank_killed_in_place_restores_from_its_node_bitwise(tmp_path, referen
     _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
     # A finished run leaves nothing of its local tier.
     assert list((tmp_path / "shm").iterdir()) == []
+
+
+def test_a_crash_redoes_at_most_one_local_interval_even_while_a_write_is_slow(tmp_path, reference):
+    """Each local item is written 1.5 s late (a slow disk), steps take milliseconds. The save of
+    step 6 is still being written when step 7 ends, so step 7's end waits for it: rank 1, killed
+    right after, and rank 0 both hold step 6, and the restart redoes 1 step, not the 3 back to
+    the shared tier's step 4 (or 4 to the local step 3)."""
+    p = _torchrun(tmp_path, KILL_AT, LOCAL_TIER_SLOW_WRITE="1.5")
+    assert p.returncode == 0, show(p)
+    rd = tmp_path / "runs" / "loop"
+    assert [json.loads((rd / f"local-steps-{r}.json").read_text()) for r in (0, 1)] == [[3, 6], [3, 6]]
+    logs = _logs(rd)
+    assert len(re.findall(r"resumed from step 6 \(\S+/step-6\), saved at world size 2 \(local tier", logs)) == 2, logs
+    _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
 
 
 def test_with_no_complete_shared_checkpoint_the_local_tier_still_serves(tmp_path, reference):

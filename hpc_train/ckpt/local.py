@@ -9,7 +9,13 @@ restores from its own node alone. Where it lives: :mod:`hpc_train.config_local`.
 
 Saves are asynchronous: the training thread copies the state (one copy, as the shared tier's
 stager does) and a thread of this tier's writes and commits it; one save in flight; the newest
-``checkpoint.local_keep`` are kept. The tier never fails a run: a directory that is missing, not
+``checkpoint.local_keep`` are kept. The write overlaps one step: the end of the step after a
+save waits for its item and its copies if still unwritten (:meth:`LocalTier.settle`), so a
+crash, even one that moves a rank to a spare node, redoes at most ``local_every_steps`` steps.
+Items are not fsync'd: a crashed process leaves its writes in the page cache, a lost node's
+memory is gone either way (its copies serve), and a torn item fails its checksums.
+
+The tier never fails a run: a directory that is missing, not
 creatable, not a real directory of this user, not writable, on the run directory, or too small
 for two items turns it off for the run with one warning, as does a save that fails at the disk.
 
@@ -30,7 +36,6 @@ import copy
 import logging
 import os
 import shutil
-import stat
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,7 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hpc_train import config_local
 from hpc_train.ckpt import peer, store, tiers
-from hpc_train.ckpt.common import APP_FILE, dcp_state, rank_file, why
+from hpc_train.ckpt.common import APP_FILE, cpu_copy, dcp_state, rank_file, why
 from hpc_train.ckpt.crc import ChecksummingWriter, save_pt
 from hpc_train.ckpt.save import _app_state, _rank_state
 from hpc_train.config import Config
@@ -53,29 +58,6 @@ from hpc_train.config import Config
 log = logging.getLogger("hpc_train")
 TIER = tiers.TIER   # the commit record's "tier"
 _LISTED = 16   # steps per rank in the restore's all-gather (local_keep is small; the newest count)
-
-
-def _copy_to_cpu(obj: Any) -> Any:
-    """One copy of a (nested) state dict, tensors detached on the CPU: what the background write reads."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _copy_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copy_to_cpu(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def _real_dir(path: Path) -> str | None:
-    """Why ``path`` is not a real directory of this user (a symlink, another owner's), else None."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        return f"{path} is a symlink"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{path} is not a directory"
-    if st.st_uid != os.getuid():
-        return f"{path} belongs to another user"
-    return None
 
 
 @dataclass
@@ -143,7 +125,7 @@ class LocalTier:
                     d.mkdir(mode=0o700)
                 except FileExistsError:
                     pass
-                bad = _real_dir(d)   # never through a symlink another user planted in /dev/shm
+                bad = config_local.real_dir(d)   # never through a symlink another user planted in /dev/shm
                 if bad:
                     return bad
             probe = self.dir / ".probe"
@@ -195,14 +177,23 @@ class LocalTier:
         fut = self._pool.submit(self._background, job, step)
         self.pending = (fut, step, job.path if job is not None else None)
 
+    def settle(self, step: int) -> None:
+        """At the end of every step: a save begun at an earlier step is written, copies included
+        (or failed), by now, waiting for it if needed."""
+        if self.pending is None or self.pending[1] >= step:
+            return
+        t0 = time.perf_counter()
+        self.wait()
+        if self.stats:
+            self.stats[-1]["settle_wait_s"] = time.perf_counter() - t0
+
     def _staged(self, state: Mapping[str, Any], step: int, kinds: dict[str, str]) -> _Staged | None:
         """The blocking copy of this rank's state, or None when it is not saved this time."""
         if not all(bool(p.detach().isfinite().all()) for k, kind in kinds.items() if kind == "module"
                    for p in state[k].parameters()):
             return None   # the next step's agreement names the divergence; never keep a NaN locally
         t0 = time.perf_counter()
-        staged = _copy_to_cpu(dcp_state(state, kinds))
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(staged))
+        staged, nbytes = cpu_copy(dcp_state(state, kinds))
         if not self._space_ok(nbytes):
             return None
         small = copy.deepcopy((_rank_state(state, kinds), _app_state(state, kinds)))
@@ -245,7 +236,7 @@ class LocalTier:
         path.mkdir(mode=0o700)
         own = {rank_file(path, self.rank).name: save_pt(small[0], rank_file(path, self.rank)),
                APP_FILE: save_pt(small[1], path / APP_FILE)}
-        writer = ChecksummingWriter(str(path), own=own, thread_count=1, sync_files=True, background=True)
+        writer = ChecksummingWriter(str(path), own=own, thread_count=1, sync_files=False, background=True)
         try:
             dcp.save(staged, storage_writer=writer, no_dist=True)
         except CheckpointException as e:   # a BaseException: make it an ordinary one for wait()
@@ -254,7 +245,7 @@ class LocalTier:
                                   "rank": self.rank, "tier": TIER, "run_dir": str(self.run_dir),
                                   "torch": torch.__version__, "state": kinds,
                                   "save_seconds": round(time.perf_counter() - t0, 4)},
-                           sums=writer.checksums, warn=log.warning)
+                           sums=writer.checksums, warn=log.warning, durable=False)
         self._prune()
 
     def _prune(self) -> None:
@@ -385,13 +376,3 @@ class LocalTier:
                 except OSError:
                     break
 
-
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)

@@ -330,11 +330,12 @@ def check_compatible(info: CkptInfo, signature: dict[str, Any] | None) -> None:
 
 
 def write_commit(path: Path, record: dict[str, Any], sums: dict[str, Any] | None = None,
-                 checksums: bool = True, warn=None) -> None:
+                 checksums: bool = True, warn=None, durable: bool = True) -> None:
     """Write ``commit.json`` last, atomically and durably: tmp, fsync, rename, fsync the directory.
     ``sums``: the checksums computed as the files were written (``{"files": {name: crc},
     "items": {name: rows}}``, CRC32C); a file they do not cover is read back, with a warning.
-    ``checksums``: ``False`` records none (only to measure their cost)."""
+    ``checksums``: ``False`` records none (only to measure their cost). ``durable=False``: atomic
+    (tmp, rename) but not fsync'd, for the node-local tier (see :mod:`hpc_train.ckpt.local`)."""
     record = dict(record)
     names = [p for p in sorted(path.iterdir()) if p.is_file() and p.name != COMMIT and not p.name.endswith(".tmp")]
     record["files"] = {p.name: p.stat().st_size for p in names}
@@ -351,8 +352,11 @@ def write_commit(path: Path, record: dict[str, Any], sums: dict[str, Any] | None
     with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:   # not through a link
         json.dump(record, f, indent=2)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path / COMMIT)
+    if not durable:
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -121,5 +121,20 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def damage_shared_tier(run_dir: Path) -> list[Path]:
+    """Flip a bit in every file of every complete shared checkpoint but its commit record: a
+    restore that read any of them would fail its checksums and say so."""
+    flipped = []
+    for step_dir in (run_dir / "checkpoints").glob("step-*"):
+        if (step_dir / "commit.json").exists():
+            for f in step_dir.iterdir():
+                if f.is_file() and f.name != "commit.json" and f.stat().st_size:
+                    raw = bytearray(f.read_bytes())
+                    raw[len(raw) // 2] ^= 0x10
+                    f.write_bytes(bytes(raw))
+                    flipped.append(f)
+    return flipped
+
+
 def q(s) -> str:
     return shlex.quote(str(s))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import ROOT, assert_bitwise, export, losses
+from slurm_helpers import ROOT, assert_bitwise, damage_shared_tier, export, losses
 
 pytestmark = pytest.mark.slurm
 
@@ -306,19 +306,34 @@ def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, ref
     crashed rank's node last, so rank 1 moves to the spare. Then rank 1's new node is set DOWN:
     the job keeps its allocation (--no-kill), and the next step runs on the node left free, at
     the same world size. Each step resumes from the newest checkpoint, and the final weights
-    are bitwise those of the uninterrupted run."""
+    are bitwise those of the uninterrupted run.
+
+    Issue 30's crashed rank: the node-local tier every 5 steps, the shared tier every 200. The
+    kill's restart loads the local tier (rank 0 from its node, rank 1 on the spare from rank 0's
+    node's copy), at most 5 steps back, and reads no item of the shared tier: each is damaged
+    right after the kill, and a read would fail its checksums and say so."""
     run_dir = tmp_path / "job"
     timeout_s = 30
-    job, pid = _two_node_job_at(slurm, run_dir, STEPS, timeout_s, 500, "--set", "job.spare_nodes=1")
+    job, pid = _two_node_job_at(slurm, run_dir, STEPS, timeout_s, 500, "--set", "job.spare_nodes=1",
+                                "--set", "checkpoint.local_every_steps=5")
     crashed = _host_of(run_dir, 1)
+    seen = _steps(run_dir)    # rank 0 logs a step after its step_end, which rank 1 had joined
     os.kill(pid, signal.SIGKILL)
-    took = _restarted_in_place_after(run_dir, time.time(), timeout_s)
+    killed_at = time.time()
+    assert any(f.suffix == ".distcp" for f in damage_shared_tier(run_dir))
+    took = _restarted_in_place_after(run_dir, killed_at, timeout_s)
     print(f"kill -9 of rank 1 on Slurm: restarted in place {took:.1f} s later")
     # A bound on a hang (the step must not outlive a dead rank), not a speed requirement.
     assert took < timeout_s + 30, f"the step kept running {took:.0f}s after a rank died"
     first = json.loads((run_dir / "requeue.json").read_text())["in_place"][0]
     assert first["lost"] == [] and crashed not in first["nodes"] and len(first["nodes"]) == 2, first
     _wait_steps_after(run_dir, first["time"], first["step"] + 300, 180)
+    logs = "".join((run_dir / "logs" / f"rank-{r}.log").read_text() for r in (0, 1))
+    resumed = re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \((local|shared) tier", logs)
+    assert [t for _, t in resumed] == ["local", "local"] and "skipping" not in logs, logs[-3000:]
+    redone = json.loads((run_dir / "goodput.json").read_text())["segments"][0]["redone_steps"]
+    assert redone <= 5 and int(resumed[0][0]) >= seen - 5, (redone, resumed, seen)
+    print(f"kill -9 of rank 1: resumed in place from the local tier's step {resumed[0][0]}, {redone} steps redone")
     lost = _host_of(run_dir, 1)
     assert lost != crashed, lost
     with _node_down(slurm, lost):
@@ -413,13 +428,21 @@ def test_a_straggler_s_node_is_swapped_for_the_spare_and_resumes_bitwise(slurm, 
     assert f"straggler swaps: 1 ({slow} -> {spare})" in status, status
 
 
-def test_a_lost_nodes_rank_fetches_its_item_from_the_buddys_copy_bitwise(slurm, reference, tmp_path):
-    """Issue 30.2: job.spare_nodes=1, the local tier every 5 steps (copies on: the default
-    checkpoint.local_replicas=1), the shared tier every 200. Rank 1's node is set DOWN and its local
-    directory deleted (the dev cluster's nodes share one disk; a lost node's memory is gone). The
-    step restarts in place on the spare, which holds nothing of the run: rank 1 fetches its item
-    over the network from rank 0's node, which holds the copy, and the run ends bitwise equal to
-    the uninterrupted one, without reading the shared tier. (It shares this module's reference.)"""
+def test_a_lost_node_fetches_from_the_buddys_copy_then_a_damaged_item_falls_back_bitwise(slurm, reference, tmp_path):
+    """Issue 30.2 and 30.4, in one job: job.spare_nodes=1, the local tier every 5 steps (copies on:
+    the default checkpoint.local_replicas=1), the shared tier every 200.
+
+    1. Rank 1's node is set DOWN and its local directory deleted (the dev cluster's nodes share
+       one disk; a lost node's memory is gone). The step restarts in place on the spare, which
+       holds nothing of the run: rank 1 fetches its item over the network from rank 0's node,
+       which holds the copy, and every rank resumes from the local tier, not the shared one.
+    2. Later, rank 1 (now on the spare) is frozen, a bit is flipped in every item its node holds
+       of it (a bad page in the node's memory), and it is killed -9. The step restarts in place;
+       rank 1's item fails its checksums on load, rank 1 says so in one line, and every rank
+       falls back to the shared tier together.
+
+    The run ends bitwise equal to the uninterrupted one, with equal losses. (It shares this
+    module's reference.)"""
     run_dir = tmp_path / "job"
     job, _ = _two_node_job_at(slurm, run_dir, STEPS, 30, 300, "--set", "job.spare_nodes=1",
                               "--set", "checkpoint.local_every_steps=5")
@@ -429,55 +452,48 @@ def test_a_lost_nodes_rank_fetches_its_item_from_the_buddys_copy_bitwise(slurm, 
     assert node_dir.name == lost, (node_dir, lost)
     with _node_down(slurm, lost):
         shutil.rmtree(node_dir, ignore_errors=True)     # the lost node's memory
-        log0 = _assert_recovered_in_place(slurm, job, run_dir, STEPS)
-    log1 = (run_dir / "logs" / "rank-1.log").read_text()
-    fetched = re.findall(r"fetched step (\d+) of rank 1 from (\S+) \(rank 0, its copy\): ([0-9.]+) MB in ([0-9.]+)s, "
-                         r"checksums match", log1)
-    assert len(fetched) == 1, log1[-3000:]
-    step, holder, mb, secs = fetched[0]
-    assert holder not in (lost, node_dir.name), holder
-    for log in (log0, log1):
-        resumed = re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \((local|shared) tier", log)
-        assert resumed[-1] == (step, "local"), resumed
-    assert int(step) > 200 and int(step) % 5 == 0, step   # newer than the shared tier's 200
-    ref, ref_losses = reference
-    assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))
-    assert losses(run_dir) == ref_losses
-    print(f"lost node {lost}: rank 1 fetched step {step} from {holder}'s copy, {mb} MB in {secs} s")
-
-
-def test_a_damaged_local_item_falls_back_to_the_shared_tier_in_one_line_bitwise(slurm, reference, tmp_path):
-    """Issue 30.4: the local tier every 5 steps, the shared tier every 200. Rank 1 is frozen, a
-    bit is flipped in every item its node holds of it (a bad page in the node's memory), and it
-    is killed -9. The step restarts in place; rank 1's item fails its checksums on load, rank 1
-    says so in one line, every rank falls back to the shared tier together, and the run ends
-    bitwise equal to the uninterrupted one. (It shares this module's reference.)"""
-    run_dir = tmp_path / "job"
-    job, pid = _two_node_job_at(slurm, run_dir, STEPS, 30, 300, "--set", "checkpoint.local_every_steps=5")
-    log1 = (run_dir / "logs" / "rank-1.log").read_text()
-    node_dir = Path(re.search(r"local checkpoint tier: step \d+ to (\S+)/rank-1 ", log1)[1])
-    os.kill(pid, signal.SIGSTOP)    # its writer thread too: no item changes under the flips
-    try:
-        status = slurm.cli("status", run_dir).stdout    # what a restart would load (issue 30.7)
-        assert re.search(r"restarted in place: step \d+ from the node-local tier \(every rank of 2 held\); "
-                         r"a requeue: the shared tier's step \d+", status), status
-        items = sorted(p for p in (node_dir / "rank-1").glob("step-*") if (p / "commit.json").exists())
-        assert items, list((node_dir / "rank-1").iterdir())
-        for item in items:
-            data = max((f for f in item.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
-            raw = bytearray(data.read_bytes())
-            raw[len(raw) // 2] ^= 0x10
-            data.write_bytes(bytes(raw))
-    finally:
-        os.kill(pid, signal.SIGKILL)
-    log0 = _assert_recovered_in_place(slurm, job, run_dir, STEPS)
+        first = _restarted_in_place_after(run_dir, time.time(), 30)
+        in_place = json.loads((run_dir / "requeue.json").read_text())["in_place"][0]
+        _wait_steps_after(run_dir, in_place["time"], 400, 180)
+        log1 = (run_dir / "logs" / "rank-1.log").read_text()
+        fetched = re.findall(r"fetched step (\d+) of rank 1 from (\S+) \(rank 0, its copy\): ([0-9.]+) MB in "
+                             r"([0-9.]+)s, checksums match", log1)
+        assert len(fetched) == 1, log1[-3000:]
+        step, holder, mb, secs = fetched[0]
+        assert holder not in (lost, node_dir.name), holder
+        assert int(step) > 200 and int(step) % 5 == 0, step   # newer than the shared tier's 200
+        print(f"lost node {lost}: rank 1 fetched step {step} from {holder}'s copy, {mb} MB in {secs} s "
+              f"(restarted {first:.1f} s after the node went down)")
+        # 2. The damaged item, on the spare that replaced the lost node (past the shared tier's 400).
+        _wait_steps_after(run_dir, in_place["time"], max(int(step) + 150, 480), 180)
+        spare = _host_of(run_dir, 1)
+        assert spare != lost, spare
+        line = [x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if "on-node" in x][-1]
+        pid = int(re.search(r"pid (\d+)", line).group(1))
+        spare_dir = node_dir.parent / spare / "rank-1"
+        os.kill(pid, signal.SIGSTOP)    # its writer thread too: no item changes under the flips
+        try:
+            status = slurm.cli("status", run_dir).stdout    # what a restart would load (issue 30.7)
+            assert re.search(r"restarted in place: step \d+ from the node-local tier \(every rank of 2 held\); "
+                             r"a requeue: the shared tier's step \d+", status), status
+            items = sorted(p for p in spare_dir.glob("step-*") if (p / "commit.json").exists())
+            assert items, list(spare_dir.iterdir())
+            for item in items:
+                data = max((f for f in item.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
+                raw = bytearray(data.read_bytes())
+                raw[len(raw) // 2] ^= 0x10
+                data.write_bytes(bytes(raw))
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        log0 = _assert_recovered_in_place(slurm, job, run_dir, STEPS, restarts=2)
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
     skipped = re.findall(r"skipping local checkpoint step \d+ \((\S+)\): it does not load: (.*); restoring from the "
                          r"shared tier", log1)
-    assert len(skipped) == 1 and "/rank-1/step-" in skipped[0][0] and "crc32c" in skipped[0][1], log1[-3000:]
+    assert len(skipped) == 1 and f"/{spare}/rank-1/step-" in skipped[0][0] and "crc32c" in skipped[0][1], log1[-3000:]
     assert "skipping local checkpoint" not in log0, log0[-3000:]     # one line, from the rank that found it
     for log in (log0, log1):
         resumed = re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \((local|shared) tier", log)
+        assert resumed[-2] == (step, "local"), resumed
         assert resumed[-1][1] == "shared" and int(resumed[-1][0]) % 200 == 0, resumed
     ref, ref_losses = reference
     assert_bitwise(ref, export(slurm, run_dir, tmp_path / "job.pt"))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import ROOT, assert_bitwise, export, losses
+from slurm_helpers import ROOT, assert_bitwise, damage_shared_tier, export, losses
 
 pytestmark = pytest.mark.slurm
 
@@ -71,35 +71,46 @@ def _check_finished_bitwise(slurm, job_id: str, run_dir: Path, tmp_path: Path, r
     assert_bitwise(ref_weights, export(slurm, run_dir, tmp_path / "job.pt"))
 
 
-def _kill_rank1_at(slurm, job_id: str, run_dir: Path, step: int) -> None:
+def _kill_rank1_at(slurm, job_id: str, run_dir: Path, step: int, after_kill=None) -> int:
     """Once the job trains past ``step``: kill -9 rank 1's training process (its newest on-node
-    line names it), then wait until the batch shell restarts the step in place."""
+    line names it), call ``after_kill``, then wait until the batch shell restarts the step in
+    place. Returns the newest step in metrics.jsonl just before the kill: rank 0 logs a step
+    after its step_end, whose agreement rank 1 had joined, so rank 1 got at least that far."""
     slurm.wait_state(job_id, {"RUNNING"}, 120)
     deadline = time.monotonic() + 240
     while _steps(run_dir) < step:
         assert time.monotonic() < deadline, f"no progress past step {_steps(run_dir)} in {run_dir}"
         time.sleep(0.3)
     line = [x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if "on-node" in x][-1]
+    seen = _steps(run_dir)
     os.kill(int(re.search(r"pid (\d+)", line).group(1)), signal.SIGKILL)
+    if after_kill is not None:
+        after_kill()
     deadline = time.monotonic() + 120
     while not json.loads((run_dir / "requeue.json").read_text()).get("in_place"):
         assert time.monotonic() < deadline, "the killed rank's step was not restarted in place"
         time.sleep(0.5)
+    return seen
 
 
 def test_own_loop_script_preempted_then_killed_is_bitwise(slurm, local_reference, tmp_path):
     """Preempted once (requeued through the queue), then rank 1 killed -9 (restarted in place, in
     the same allocation): COMPLETED, one requeue, and bitwise the straight local run. With the
-    node-local tier every 5 steps (issue 30; the shared tier every 500): the requeue, on nodes
-    whose memory holds nothing of the run, resumes from the shared tier; the in-place restart
-    from each rank's own node, a few steps back; nothing of the tier is left behind."""
+    node-local tier every 5 steps and the shared tier every 200 (issue 30's crashed rank): the
+    requeue, on nodes whose memory holds nothing of the run, resumes from the shared tier; the
+    in-place restart from each rank's own node, at most 5 steps back, reading no item of the
+    shared tier (each is damaged right after the kill: a read would fail its checksums); nothing
+    of the tier is left behind."""
     run_dir = tmp_path / "job"
     r = slurm.cli("submit", "--script", CHARLM, "--nodes", "2", "--partition", "low", *SETS, "--run-dir", run_dir,
-                  "--set", "checkpoint.local_every_steps=5", "--", "--steps", str(STEPS))
+                  "--set", "checkpoint.every_steps=200", "--set", "checkpoint.local_every_steps=5",
+                  "--", "--steps", str(STEPS))
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     _preempt_at(slurm, job, run_dir, [300])
-    _kill_rank1_at(slurm, job, run_dir, 900)
+    flipped: list[Path] = []
+    seen = _kill_rank1_at(slurm, job, run_dir, 900, lambda: flipped.extend(damage_shared_tier(run_dir)))
+    assert any(f.suffix == ".distcp" for f in flipped), flipped
     assert slurm.wait_done(job, 400) == "COMPLETED"
     assert slurm.restarts(job) == 1 and len(slurm.sacct(job)) == 2, slurm.sacct(job)   # the preemption only
     assert len(slurm.job_steps(job)) >= 2, slurm.job_steps(job)     # the killed step and its restart
@@ -114,9 +125,18 @@ def test_own_loop_script_preempted_then_killed_is_bitwise(slurm, local_reference
     log0 = (run_dir / "logs" / "rank-0.log").read_text()
     tiers = re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \((local|shared) tier", log0)
     assert [t for _, t in tiers] == ["shared", "local"], tiers
+    log1 = (run_dir / "logs" / "rank-1.log").read_text()
+    assert "skipping" not in log0 + log1 and "does not load" not in log0 + log1, (log0 + log1)[-3000:]
+    # At most 5 steps redone (issue 30): charlm logs a step before its step_end, so rank 1 had
+    # finished step seen - 1 at least, and step_end waits for the last local item's write.
+    # (The goodput ledger's count of redone steps, from metrics.jsonl, also counts a step that
+    # charlm logged but whose step_end the kill cut short: 6 here at most; the built-in trainer
+    # logs after step_end, and tests/slurm/test_preemption.py asserts 5 of it.)
+    assert int(tiers[1][0]) >= seen - 1 - 5, (tiers, seen)
     segments = json.loads((run_dir / "goodput.json").read_text())["segments"]
     redone = [s.get("redone_steps") for s in segments if s.get("redone_steps") is not None]
-    print(f"local tier: resumed in place from step {tiers[1][0]}; steps redone per segment: {redone}")
+    print(f"local tier: killed at step {seen} or later, resumed in place from step {tiers[1][0]}; "
+          f"steps redone per segment: {redone}")
     base = re.search(r"local checkpoint tier: step \d+ to (\S+)/hpc_train-", log0)[1]   # $TMPDIR or /dev/shm
     assert not list(Path(base).glob(f"hpc_train-{job}")), f"the job's local tier was left in {base}"
 
