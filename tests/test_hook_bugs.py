@@ -67,13 +67,16 @@ def _tool(bin_dir: Path, name: str, body: str) -> None:
 def _job(tmp_path: Path, script: str, *, statuses: list[int], nodes: str = "node[1-2]", restart: int = 0,
          job: str = JOB, now: str | None = None, states: str | None = None, squeue_fails: bool = False,
          sinfo_fails: bool = False, scontrol_fails: bool = False, minutes_left: float | None = None,
-         each: str = "") -> subprocess.CompletedProcess:
+         each: str = "", requeue_ends_the_step: bool = False) -> subprocess.CompletedProcess:
     """Run the batch script as Slurm would. Its ``srun`` returns ``statuses[n]`` at its n-th call,
     and the call after the last finishes the run (result.json). Each call's node arguments go to
     ``srun.calls``; ``scontrol``'s to ``scontrol.calls``. ``squeue`` answers the job's nodes
     ``now`` and, with ``minutes_left``, a start and time limit that leave that much; ``sinfo``
     answers ``states`` ("node1|mixed node2|down"); ``*_fails``: the command fails as it does
-    when the controller is down; ``each``: shell run by every srun call first."""
+    when the controller is down; ``each``: shell run by every srun call first;
+    ``requeue_ends_the_step``: ``scontrol requeue`` kills its caller (the hook) with SIGKILL as it
+    returns, as the controller's end of the requeued batch step can (a fake: on the real cluster
+    that race cannot be made to go one way)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     down = 'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1\n'
@@ -88,7 +91,8 @@ def _job(tmp_path: Path, script: str, *, statuses: list[int], nodes: str = "node
     # tests count what the hook asks of Slurm); the cleanup's own srun is the program on PATH
     # (`command srun`), which logs to cleanup.calls and never reaches a real cluster.
     _tool(bin_dir, "scontrol", f'[ "$1" = show ] || echo "$@" >> {tmp_path}/scontrol.calls\n'
-          + ('echo "scontrol: error: Unable to contact slurm controller" >&2; exit 1\n' if scontrol_fails else ""))
+          + ('echo "scontrol: error: Unable to contact slurm controller" >&2; exit 1\n' if scontrol_fails else "")
+          + ('[ "$1" = requeue ] && kill -KILL $PPID\n' if requeue_ends_the_step else ""))
     _tool(bin_dir, "srun", f'echo "$@" >> {tmp_path}/cleanup.calls\n')
     srun = (f'srun() {{ a="$*"; echo "${{a%%--kill-on-bad-exit*}}" >> {tmp_path}/srun.calls; '
             f'n=$(wc -l < {tmp_path}/srun.calls); s=({" ".join(map(str, statuses))}); {each} '
@@ -234,6 +238,19 @@ def test_a_failed_scontrol_requeue_charges_nothing(tmp_path):
     job = _job(tmp_path, script, statuses=[1])
     assert _calls(tmp_path, "scontrol") == [f"requeue {JOB}"] and "requeued" in _hook_lines(job), job.stderr
     assert _requeue(rd)["counts"]["failure"] == 1
+
+
+def test_a_requeue_is_counted_even_when_it_ends_the_hook_at_once(tmp_path):
+    """Slurm's requeue ends the batch step, the hook in it, as soon as the controller acts: the
+    count must be on disk before ``scontrol requeue`` returns (a benchmark's requeue went
+    uncounted when the hook wrote it after)."""
+    script, rd = _script(tmp_path, "job.nodes=2", "job.restarts_in_place=0", "job.requeue_failure=2")
+    _rank(rd, 0, "node1", 2)
+    _rank(rd, 1, "node2", 2)
+    _job(tmp_path, script, statuses=[1], requeue_ends_the_step=True)
+    assert _calls(tmp_path, "scontrol") == [f"requeue {JOB}"]
+    rec = _requeue(rd)
+    assert rec["counts"]["failure"] == 1 and rec["events"][-1]["requeued"] is True, rec
 
 
 @pytest.mark.parametrize("damage", ["count", "charge"])

@@ -2,7 +2,8 @@
 
 :mod:`hpc_train.login.gather` reads the inputs once, :func:`hpc_train.login.decide.decide`
 picks one decision, and :func:`act` carries it out: ``scontrol requeue`` (counted in
-``requeue.json`` only once it succeeded), a job step restarted in place (the batch shell runs
+``requeue.json`` first: the requeue ends this batch step, and this hook with it, as soon as the
+controller acts on it; taken back when ``scontrol`` fails), a job step restarted in place (the batch shell runs
 ``srun`` again: exit code :data:`~hpc_train.login.decide.AGAIN`, and the next step's settings
 on stdout), or the job's end with one line saying why.
 
@@ -60,11 +61,15 @@ def act(run_dir: Path, d: Decision, history: RequeueState, target: str, restart:
     if d.action != "in_place":
         requeue_rec.remove_pending(run_dir)   # acted on: never taken for a later step's
     if d.action == "requeue":
+        # Written before the requeue: written after it, the controller's end of this batch step
+        # (SIGTERM to every process of it) raced the write and sometimes won, and the requeue
+        # went uncounted (a failure budget never spent).
+        requeue_rec.write(run_dir, history.requeued(inc, d.cause or "failure", d.step, now, d.error), warn)
         ok, detail = requeue(target)
         if not ok:
+            requeue_rec.write(run_dir, history, warn)   # taken back: nothing charged
             return (f"{d.message}; NOT requeued: scontrol requeue {target} failed: {detail} (nothing charged)",
                     _unrequeued_exit(d), [])
-        requeue_rec.write(run_dir, history.requeued(inc, d.cause or "failure", d.step, now, d.error), warn)
         return f"{d.message}; requeued {target}", 0, []
     if d.action in ("stop", "fail"):
         requeue_rec.write(run_dir, history.not_requeued(inc, d.cause or "failure", d.step, now, d.final or "",
