@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -55,11 +56,30 @@ def test_store_beats_are_read_as_ages_and_a_silent_peer_is_named(store, monkeypa
     one.stop()
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: kill() returns when the
+    signal is sent, and on a loaded machine the store's server thread could still answer one
+    more request after that."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rpartition(")")[2].split()[0])
+            except OSError:
+                continue
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not stop within 10 s")
+
+
 def test_a_frozen_store_names_its_host_instead_of_hanging_the_watcher(store):
     server, port = store
     watcher = beats.StoreBeats("127.0.0.1", port, 1, "hpc_train/beats/", 0)
     beats.StoreBeats("127.0.0.1", port, 0, "hpc_train/beats/", 0).start().stop()
-    os.kill(server.pid, signal.SIGSTOP)
+    _stop(server.pid)
     t0 = time.monotonic()
     found = beats.stale(watcher, [0], 60.0, time.time())
     took = time.monotonic() - t0
