@@ -168,11 +168,6 @@ class Peers:
                          time.perf_counter() - t0)
             self.stats.append({"step": step, "copy_s": time.perf_counter() - t0,
                                "sent_bytes": out.nbytes if out is not None else 0})
-        # No rank's exchange ends before every copy of this step is committed where it is held. A
-        # sender's swap can end while its bytes are still in the socket, and a sender killed then
-        # takes them with it (the reset drops what the holder had not read). LocalTier.settle
-        # relies on this: a rank past the next step's agreement has its copies held.
-        dist.barrier(group=pg)
         return got
 
     def _prune(self, parent: Path, keep: int) -> None:
