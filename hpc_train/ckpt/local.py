@@ -11,7 +11,8 @@ Saves are asynchronous: the training thread copies the state (one copy, as the s
 stager does) and a thread of this tier's writes and commits it; one save in flight; the newest
 ``checkpoint.local_keep`` are kept. The write overlaps one step: the end of the step after a
 save waits for its item and its copies if still unwritten (:meth:`LocalTier.settle`), so a
-crash, even one that moves a rank to a spare node, redoes at most ``local_every_steps`` steps.
+crash redoes at most ``local_every_steps`` steps when the ranks restart on their own nodes (a
+copy in flight at the kill can be lost with the crashed process: see docs/checkpoints.md).
 Items are not fsync'd: a crashed process leaves its writes in the page cache, a lost node's
 memory is gone either way (its copies serve), and a torn item fails its checksums.
 
