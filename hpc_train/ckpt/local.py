@@ -16,9 +16,9 @@ copy in flight at the kill can be lost with the crashed process: see docs/checkp
 Items are not fsync'd: a crashed process leaves its writes in the page cache, a lost node's
 memory is gone either way (its copies serve), and a torn item fails its checksums.
 
-The tier never fails a run: a directory that is missing, not
-creatable, not a real directory of this user, not writable, on the run directory, or too small
-for two items turns it off for the run with one warning, as does a save that fails at the disk.
+The tier never fails a run: a directory that is missing, not creatable, not a real directory of
+this user, not writable, on the run directory, or too small for two items turns it off for the
+run with one warning, as does a save that fails at the disk.
 
 Copies (``checkpoint.local_replicas``, :mod:`hpc_train.ckpt.peer`): after each save the
 writer thread sends the new item to the same local rank on the next node(s), which keeps it
