@@ -105,7 +105,10 @@ def main() -> int:
     with local_cluster() as env, tempfile.TemporaryDirectory() as tmp:
         for i in range(1, args.reps + 1):
             for variant in VARIANTS:
-                reps.run(variant, i, lambda: one(env, Path(tmp), variant, i))
+                got = reps.run(variant, i, lambda: one(env, Path(tmp), variant, i))
+                if got:   # as it goes: the whole run takes about a quarter of an hour
+                    print(f"  rep {i}, {variant}: kill -> first step again {got[7]:.2f} s, "
+                          f"steps redone {got[8]:.2f} s", flush=True)
     rows = {v: reps.values(v) for v in VARIANTS}
     print(f"\nkill -9 of rank 1 on 2 nodes, ~105 MB of state, a checkpoint every 10 steps; seconds, "
           f"median over the repetitions (in place: {reps.basis('in place')}; requeue: {reps.basis('requeue')}):")

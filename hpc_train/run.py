@@ -230,7 +230,11 @@ class Run:
         return list(self._ckpt.stats) if self._ckpt is not None else []
 
     def _flags(self) -> list[float]:
+        """Read by the step's agreement (under DDP in the backward's bucket-0 hook, before step_end):
+        a rank past it has every local save begun earlier written, copies included."""
         timed = self._ckpt is not None and self._ckpt.due_by_time()
+        if self._local is not None:
+            self._local.settle()
         local = [float(self._local.due_by_time())] if self._local_tier() is not None else []   # its timer
         return [float(self.stop.requested), float(timed), *local]
 
@@ -254,8 +258,6 @@ class Run:
                              + "; it counts the optimizer steps done and only goes up (state['step'] += 1 per step)")
         self.stop.listening = True
         self._stragglers.arrived()
-        if self._local is not None:   # before the agreement: a rank past it has its last item written
-            self._local.settle(step)  # (a crash redoes at most one interval)
         sums = self._agreement.collect(self.device)
         self._progress.stepped(step)
         stop, timed = bool(sums[0] > 0), bool(sums[1] > 0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -43,6 +44,26 @@ if os.environ.get("LOCAL_TIER_SLOW_WRITE"):
         time.sleep(float(os.environ["LOCAL_TIER_SLOW_WRITE"]))
         return _write(self, *a, **kw)
     LocalTier._write = _slow
+if os.environ.get("LOCAL_TIER_DIE_WRITING") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    # A rank that crashes while its local item is still being written (a fault caused for
+    # real, at a chosen moment): rank 1 is killed 1 s into its write of step 6. Rank 0 records
+    # every step_end it completes, to compare with the step restored.
+    import signal, time
+    from hpc_train.ckpt.local import LocalTier
+    from hpc_train.run import Run
+    _write, _step_end = LocalTier._write, Run.step_end
+    def _dying(self, staged, small, path, step, *a, **kw):
+        if self.rank == 1 and step == int(os.environ["LOCAL_TIER_DIE_WRITING"]):
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _write(self, staged, small, path, step, *a, **kw)
+    def _recorded(self, state):
+        stop = _step_end(self, state)
+        if self.rank == 0:
+            with open(self.run_dir / "done-0.txt", "a") as f:
+                f.write(str(state['step']) + ' ')
+        return stop
+    LocalTier._write, Run.step_end = _dying, _recorded
 import local_tier_loop
 local_tier_loop.main(int(sys.argv[1]), int(sys.argv[2]))
 """
@@ -107,6 +128,23 @@ def test_a_crash_redoes_at_most_one_local_interval_even_while_a_write_is_slow(tm
     assert [json.loads((rd / f"local-steps-{r}.json").read_text()) for r in (0, 1)] == [[3, 6], [3, 6]]
     logs = _logs(rd)
     assert len(re.findall(r"resumed from step 6 \(\S+/step-6\), saved at world size 2 \(local tier", logs)) == 2, logs
+    _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
+
+
+def test_a_rank_that_dies_writing_its_item_holds_the_other_ranks_within_one_interval(tmp_path, reference):
+    """Rank 1 dies 1 s into writing its local item of step 6 (saves every 3 steps, no shared
+    tier). Under DDP the step's agreement rides on the backward's last all-reduce, before
+    step_end: the wait for the item sits there, so rank 0 cannot finish step 7 while rank 1's
+    step 6 is unwritten. The restart loads step 3 for both, at most 3 steps behind the newest
+    step any rank finished (with the wait at step_end, rank 0 finished step 7: 4 redone)."""
+    p = _torchrun(tmp_path, 0, SHARED_EVERY="0", LOCAL_TIER_DIE_WRITING="6")
+    assert p.returncode == 0, show(p)
+    rd = tmp_path / "runs" / "loop"
+    done = [int(s) for s in (rd / "done-0.txt").read_text().split()]
+    logs = _logs(rd)
+    restored = [int(s) for s in re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \(local tier", logs)]
+    assert restored == [3, 3], logs
+    assert max(done) - restored[0] <= 3, (done, restored)
     _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
 
 
@@ -281,3 +319,32 @@ def test_the_cleanup_asks_for_the_allocation_s_node_count_now(tmp_path):
                              env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
                                   "SLURM_JOB_NUM_NODES": "3"})
         assert got.stdout.strip() == want, (says, got.stdout, got.stderr)
+
+
+def test_a_symlink_among_the_local_items_is_neither_listed_nor_removed_through(tmp_path):
+    """Someone else's directory (a copy of a real item), linked in as ``step-9`` beside it: the tier never lists
+    it (a restore would read it), and a restore to an older step, which removes the newer items,
+    leaves the link's target untouched."""
+    from hpc_train import config as config_mod
+    from hpc_train.ckpt.local import LocalTier
+    base, run_dir = tmp_path / "shm", tmp_path / "run"
+    base.mkdir()
+    run_dir.mkdir()
+    cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
+    tier = LocalTier(cfg, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
+    assert tier.off is None
+    model = torch.nn.Linear(2, 2)
+    state = {"model": model, "step": 3}
+    tier.save(state, 3, {"model": "module", "step": "plain"})
+    tier.wait()
+    elsewhere = tmp_path / "elsewhere"   # a complete item, as an attacker would plant one
+    shutil.copytree(tier.dir / "step-3", elsewhere)
+    record = json.loads((elsewhere / "commit.json").read_text())
+    (elsewhere / "commit.json").write_text(json.dumps({**record, "step": 9}))
+    (elsewhere / "keep.txt").write_text("not the tier's")
+    (tier.dir / "step-9").symlink_to(elsewhere, target_is_directory=True)
+    assert [i.step for i in tier.usable()] == [3]
+    tier.restored(3)
+    assert (elsewhere / "keep.txt").read_text() == "not the tier's"
+    tier.close(remove=True)
+    assert (elsewhere / "keep.txt").exists()

@@ -9,10 +9,9 @@ restores from its own node alone. Where it lives: :mod:`hpc_train.config_local`.
 
 Saves are asynchronous: the training thread copies the state (one copy, as the shared tier's
 stager does) and a thread of this tier's writes and commits it; one save in flight; the newest
-``checkpoint.local_keep`` are kept. The write overlaps one step: the end of the step after a
-save waits for its item and its copies if still unwritten (:meth:`LocalTier.settle`), so a
-crash redoes at most ``local_every_steps`` steps when the ranks restart on their own nodes (a
-copy in flight at the kill can be lost with the crashed process: see docs/checkpoints.md).
+``checkpoint.local_keep`` are kept. The write overlaps the next step's forward and backward: its
+agreement waits for the item and its copies if still unwritten (:meth:`LocalTier.settle`), so a
+crash redoes at most ``local_every_steps`` steps, on the same nodes or a spare.
 Items are not fsync'd: a crashed process leaves its writes in the page cache, a lost node's
 memory is gone either way (its copies serve), and a torn item fails its checksums.
 
@@ -178,10 +177,10 @@ class LocalTier:
         fut = self._pool.submit(self._background, job, step)
         self.pending = (fut, step, job.path if job is not None else None)
 
-    def settle(self, step: int) -> None:
-        """At the end of every step: a save begun at an earlier step is written, copies included
-        (or failed), by now, waiting for it if needed."""
-        if self.pending is None or self.pending[1] >= step:
+    def settle(self) -> None:
+        """Before every step's agreement (``Run._flags``): the save begun at an earlier step is
+        written, copies included (or failed), by now, waiting for it if needed."""
+        if self.pending is None:
             return
         t0 = time.perf_counter()
         self.wait()
@@ -197,7 +196,10 @@ class LocalTier:
         staged, nbytes = cpu_copy(dcp_state(state, kinds))
         if not self._space_ok(nbytes):
             return None
-        small = copy.deepcopy((_rank_state(state, kinds), _app_state(state, kinds)))
+        own = _rank_state(state, kinds)
+        rng = own.pop("rng")   # built fresh for this save (a 625-int list deepcopy would walk)
+        small = copy.deepcopy((own, _app_state(state, kinds)))
+        small[0]["rng"] = rng
         path = self.dir / f"step-{step}"
         if not self.stats:   # where it is and what it costs, once per run and rank
             ring = self.peers.ring if self.peers is not None else None
@@ -237,7 +239,10 @@ class LocalTier:
         path.mkdir(mode=0o700)
         own = {rank_file(path, self.rank).name: save_pt(small[0], rank_file(path, self.rank)),
                APP_FILE: save_pt(small[1], path / APP_FILE)}
-        writer = ChecksummingWriter(str(path), own=own, thread_count=1, sync_files=False, background=True)
+        # Not niced as the shared tier's writer is: the next step's agreement waits for this
+        # write, so a lower priority only moves the wait, and a niced thread holding the GIL
+        # stalls the training thread behind the other ranks' (an inversion).
+        writer = ChecksummingWriter(str(path), own=own, thread_count=1, sync_files=False)
         try:
             dcp.save(staged, storage_writer=writer, no_dist=True)
         except CheckpointException as e:   # a BaseException: make it an ordinary one for wait()
@@ -274,11 +279,8 @@ class LocalTier:
     def _items(self) -> list[store.CkptInfo]:
         if self.off is not None and not self.dir.is_dir():
             return []
-        try:
-            names = [p for p in self.dir.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit()]
-        except OSError:
-            return []
-        return sorted((store.inspect(p) for p in names), key=lambda i: i.step, reverse=True)
+        return sorted((store.inspect(p) for _, p in peer.numbered(self.dir, "step-")), key=lambda i: i.step,
+                      reverse=True)
 
     def _accepts(self, info: store.CkptInfo, rank: int) -> bool:
         """A complete item of this run, at this world size, for ``rank``."""
@@ -376,4 +378,3 @@ class LocalTier:
                     d.rmdir()
                 except OSError:
                     break
-

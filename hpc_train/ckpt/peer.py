@@ -85,7 +85,7 @@ class Held:
     copy: bool
 
 
-def _numbered(parent: Path, prefix: str) -> list[tuple[int, Path]]:
+def numbered(parent: Path, prefix: str) -> list[tuple[int, Path]]:
     """(N, path) of ``parent``'s entries named ``PREFIX-N`` that are not symlinks; none when
     ``parent`` cannot be listed."""
     try:
@@ -100,8 +100,8 @@ def held_on_node(node: Path, usable) -> list[Held]:
     ``usable(info, R)`` accepts; never through a symlink."""
     out: list[Held] = []
     for parent, is_copy in ((node, False), (node / COPIES, True)):
-        for r, rank_dir in _numbered(parent, "rank-"):
-            for _, p in _numbered(rank_dir, "step-"):
+        for r, rank_dir in numbered(parent, "rank-"):
+            for _, p in numbered(rank_dir, "step-"):
                 info = store.inspect(p)
                 if info.complete and usable(info, r):
                     out.append(Held(r, info.step, p, is_copy))

@@ -332,10 +332,9 @@ def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, ref
     resumed = re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \((local|shared) tier", logs)
     assert [t for _, t in resumed] == ["local", "local"] and "skipping" not in logs, logs[-3000:]
     redone = json.loads((run_dir / "goodput.json").read_text())["segments"][0]["redone_steps"]
-    # At most one interval back on the ranks' own nodes (tests/slurm/test_slurm_own_code.py asserts
-    # 5). Here rank 1 moves to the spare and only its copy serves, and the copy in flight at the
-    # kill can be lost with it (the holder's read reset): seen twice, 6 steps back. Known gap.
-    assert redone <= 10 and int(resumed[0][0]) >= seen - 10, (redone, resumed, seen)
+    # At most one interval back (issue 30), also here where rank 1 moves to the spare and only
+    # its copy serves: the copy was held before the agreement of the step after its save.
+    assert redone <= 5 and int(resumed[0][0]) >= seen - 5, (redone, resumed, seen)
     print(f"kill -9 of rank 1: resumed in place from the local tier's step {resumed[0][0]}, {redone} steps redone")
     lost = _host_of(run_dir, 1)
     assert lost != crashed, lost

@@ -338,8 +338,13 @@ def test_an_unmodified_script_under_torchrun_saves_at_each_time_limit_stop(slurm
     assert stops and all(came <= saved <= came + 1 for came, saved in stops), stops
     runs = slurm.sacct(job)
     rec = json.loads((run_dir / "requeue.json").read_text())
-    assert rec["counts"] == {"preemption": 0, "timeout": len(stops), "failure": 0}, (rec, stops)
-    assert len(runs) == len(stops) + 1 and not rec.get("in_place"), runs      # one requeue per stop
+    # A time limit whose signal lands just as a run's script ends ("done" printed, then killed by
+    # SIGTERM while the interpreter shuts down, its handler gone) stops that run too: nothing can
+    # tell it from a stop mid-step, and the script resumes from its last snapshot. Seen once in a
+    # CI rehearsal (the signal's time moves by slurmctld's tick). Every other stop saved.
+    late = text.count(f"done at step {steps}") - 1
+    assert rec["counts"] == {"preemption": 0, "timeout": len(stops) + late, "failure": 0}, (rec, stops, late)
+    assert len(runs) == len(stops) + late + 1 and not rec.get("in_place"), runs      # one requeue per stop
     for _, saved in stops:
         assert f"resumed from snapshot at step {saved}" in text, text[-3000:]
     assert f"done at step {steps}" in text and (run_dir / "result.json").exists()
