@@ -116,6 +116,11 @@ def builtin(tmp_path_factory):
     out: dict = {"rd": rd, "argv": argv}
     out["stopped_run"] = hpc(*argv, env=clean_env(HPC_TRAIN_TEST_STOP_AT_STEP="3"))
     out["stopped"] = status(rd)
+    # The stop record as if written just before the next launch began (as on a fast machine,
+    # where the rerun starts within the clocks' slack of the stopped run's last write): still
+    # the run before's, not what the next launch did.
+    now = time.time()
+    os.utime(rd / "stopped.json", (now, now))
     out["failed_run"] = hpc(*argv, env=clean_env(HPC_TRAIN_TEST_FAIL_AT="1:3"))
     out["failed"] = status(rd)
     shutil.copytree(rd, d / "after-failure", symlinks=True)

@@ -208,11 +208,14 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     responding (see :mod:`hpc_train.node.watchdog`); it is named, every rank writes its stack, and
     the run ends. ``lock_fd``: the run directory's lock, held by every worker too. ``script``: the
     workers run a ``--script`` (a stop reaches it as SIGTERM; the message says so)."""
-    from hpc_train.records import ranks
-    # An earlier launch's error files and rank records (which say how each rank ended) are not this one's.
+    from hpc_train.records import ranks, stop
+    # An earlier launch's error files, rank records (which say how each rank ended) and stop
+    # record are not this one's. (Told apart by time alone, a stop record written just before
+    # this launch began, within the clocks' slack, was once taken for this launch's own.)
     for stale in (run_dir / rundir.LOGS).glob("rank-*.error"):
         stale.unlink()
     ranks.clear(run_dir)
+    stop.remove(run_dir)
     started = time.time()
     try:
         procs = _spawn(nproc, config_path, run_dir, resume, rendezvous_port() if port is None else port, lock_fd)
