@@ -86,6 +86,10 @@ class JobSection:
     # A rank named slow (dist.straggler_*) for dist.straggler_window_s: checkpoint, end the step and
     # restart it in place with its node swapped for a spare (needs spare_nodes >= 1).
     replace_stragglers: bool = _f(False)
+    # A standby step (srun launcher): each step's tasks are started a second time beside it, with
+    # torch imported, and the next in-place restart on the same nodes is handed to them (about
+    # 2-3 s less from a failure to the first step again). Costs one idle process per rank.
+    standby: bool = _f(False)
 
 
 @dataclass

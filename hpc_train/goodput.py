@@ -91,8 +91,19 @@ def process_start_time() -> float:
     return own_start_time()
 
 
+_began: float | None = None   # a standby's go (launch.standby): its start-up counts from there
+
+
+def began_at(t: float) -> None:
+    """This process begins its run now, though started earlier (a standby task's go)."""
+    global _began
+    _began = t
+
+
 def own_start_time() -> float:
-    """This process's start (from /proc, 10 ms resolution), else now."""
+    """This process's start (from /proc, 10 ms resolution), else now; a standby's go instead."""
+    if _began is not None:
+        return _began
     try:
         # /proc/self/stat field 22: the start, in clock ticks after boot; /proc/uptime: now, after
         # boot (10 ms resolution; /proc/stat's btime is whole seconds, too coarse to subtract).

@@ -21,6 +21,7 @@ from typing import Any
 from hpc_train import config as config_mod
 from hpc_train import rundir
 from hpc_train import goodput, threads
+from hpc_train.launch import standby
 from hpc_train.node import environment, session, watchdog
 from hpc_train.config import Config
 from hpc_train.errors import RunFailure, ScriptFailed, UsageError, says_peer_lost
@@ -40,10 +41,15 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     runs the pre-launch sequence before anything trains."""
     if isinstance(cfg, dict):
         cfg = config_mod.from_dict(cfg)
+    # Started ahead of its step (job.standby): imports, then waits for the go.
+    waited = standby.await_go(cfg) if standby.active() else None
     rd = Path(run_dir) if run_dir else cfg.resolved_run_dir()
     script = bool(cfg.train.script and target is None)
     s = session.begin(cfg, rd, own_process=True, escalate=not script)
     env = s.env
+    if waited is not None:
+        log.info("rank %d: this step's process was a standby, started %.1f s before it (job.standby)",
+                 env.rank, waited)
     try:
         session.claim(s, lock=env.rank == 0 and not session.launcher_holds_lock(), beat_files=script)
         if s.finished is not None:

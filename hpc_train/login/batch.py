@@ -22,7 +22,7 @@ from typing import Any
 from hpc_train import config_local
 from hpc_train import threads as omp
 from hpc_train.config import Config, JobSection, time_minutes
-from hpc_train.rundir import ATTEMPT_ENV, BATCH_START_ENV
+from hpc_train.rundir import ATTEMPT_ENV, BATCH_START_ENV, RESUME_ENV, STANDBY_ENV
 from hpc_train.login import nodes
 from hpc_train.login.decide import AGAIN
 from hpc_train.login.scheduler import tasks_per_node
@@ -100,11 +100,45 @@ class Loop:
         self.run_dir_expr = run_dir_expr
         self.config_expr = config_expr     # the job's own config file, where it is not the run's yet
         self.local_dir = local_dir         # the local checkpoint tier's checkpoint.local_dir; None: tier off
+        self.standby = job.standby and launcher == "srun"   # a torchrun agent is not a worker to hand over
 
     def before(self) -> list[str]:
         return [f"export SRUN_CPUS_PER_TASK={self.job.cpus_per_task * (self.ranks // self.srun_tasks)}",
                 f'export {BATCH_START_ENV}="$(date +%s)"', "attempt=0",
-                f"step_nodes={shlex.quote(nodes.first_step_args(self.job, self.srun_tasks))}"]
+                f"step_nodes={shlex.quote(nodes.first_step_args(self.job, self.srun_tasks))}",
+                *(self._standby_lines() if self.standby else [])]
+
+    def srun(self) -> str:
+        """What the loop's srun line starts with: the step function with a standby, else srun
+        on the step's nodes."""
+        return "hpc_train_step" if self.standby else "srun $step_nodes"
+
+    @staticmethod
+    def _standby_lines() -> list[str]:
+        """job.standby (hpc_train.launch.standby): each step's srun line runs a second time beside
+        it, --overlap, its tasks waiting on a FIFO that this shell holds on fd 8; a restart on the
+        same nodes writes them the go and waits for that srun instead of starting one. Every srun
+        closes fd 8 (the shell's close is the standby's end-of-file: its dismissal)."""
+        return [
+            "# job.standby: the next step's tasks wait beside this one, torch imported (launch.standby).",
+            'standby=""; standby_nodes=""',
+            "hpc_train_standby() {",
+            '  local fifo; fifo="$(mktemp -u "${TMPDIR:-/tmp}/hpc_train-standby.XXXXXXXX")" || return 0',
+            '  mkfifo -m 600 "$fifo" || return 0',
+            '  exec 8<>"$fifo" 7<"$fifo"; rm -f "$fifo"',
+            f'  {STANDBY_ENV}=1 command srun --overlap --input=all --open-mode=append $step_nodes "$@" <&7 7<&- 8>&- &',
+            '  standby=$!; standby_nodes="$step_nodes"; exec 7<&-',
+            "}",
+            "hpc_train_step() {",
+            '  local took=""',
+            '  case "${HPC_TRAIN_RESUME:-latest}" in *[[:space:]]*) ;; *)',
+            '    if [ -n "$standby" ] && [ "$standby_nodes" = "$step_nodes" ] && kill -0 "$standby" 2>/dev/null \\',
+            f'      && printf \'go %s %s\\n\' "${ATTEMPT_ENV}" "${{{RESUME_ENV}:-latest}}" >&8; then took="$standby"; fi;;',
+            "  esac",
+            '  exec 8>&-; standby=""',
+            '  hpc_train_standby "$@"',
+            '  if [ -n "$took" ]; then wait "$took"; else command srun $step_nodes "$@" 8>&-; fi',
+            "}"]
 
     @staticmethod
     def start() -> list[str]:
@@ -116,7 +150,8 @@ class Loop:
                 + (f" --config {self.config_expr}" if self.config_expr else ""))
         # "|| hooked=$?": a batch script under set -e would end at the hook's non-zero exit.
         return ["hooked=0", f"next=$({call}) || hooked=$?", 'status="$hooked"',
-                f'if [ "$status" -ne {AGAIN} ]; then break; fi', 'eval "$next"', "done", *self.cleanup()]
+                f'if [ "$status" -ne {AGAIN} ]; then break; fi', 'eval "$next"', "done",
+                *(["exec 8>&-   # the standby's end-of-file: it leaves"] if self.standby else []), *self.cleanup()]
 
     def cleanup(self) -> list[str]:
         """After the loop: remove the job's node-local checkpoint tier on every node (an in-place

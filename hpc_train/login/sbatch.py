@@ -52,7 +52,7 @@ class SbatchScript:
             "nproc_per_node": str(loop.ranks), "output": q(batch.filename_pattern(self.run_dir) + "/slurm-%j.out"),
             "run_dir": q(self.run_dir), "config_yaml": config_yaml, "eof": eof,
             "setup": "\n".join(job.setup), "python": q(sys.executable), "resume": q(self.resume),
-            "loop": "\n".join([*loop.before(), *loop.start()]), "after": "\n".join(loop.after()),
+            "loop": "\n".join([*loop.before(), *loop.start()]), "after": "\n".join(loop.after()), "srun": loop.srun(),
             "threads": batch.threads(self.cfg.dist.threads_per_rank),
         }
         return render((TEMPLATES / f"{self.launcher}.sbatch").read_text(), values)

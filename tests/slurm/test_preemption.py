@@ -268,7 +268,8 @@ def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_
     rank's stack reaches its log through Slurm, and a new step in the same allocation resumes and
     completes."""
     run_dir = tmp_path / "job"
-    job, pid = _two_node_job_at(slurm, run_dir, 900, 600, 300, "--set", "dist.hang_floor_s=5")
+    job, pid = _two_node_job_at(slurm, run_dir, 900, 600, 300, "--set", "dist.hang_floor_s=5",
+                                "--set", "job.standby=true")
     os.kill(pid, signal.SIGSTOP)
     try:
         took = _restarted_in_place_after(run_dir, time.time(), 30)
@@ -282,6 +283,10 @@ def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_
                      r"step \d+ \(limit 5s", log0), log0[-3000:]
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
     assert "most recent call first" in log1, log1[-3000:]   # faulthandler's dump, asked for through scancel
+    # job.standby: the restart on the same nodes was handed to the standby tasks, torch imported,
+    # started beside the first step (each rank's new process says so, once).
+    for r, log in ((0, log0), (1, log1)):
+        assert len(re.findall(rf"rank {r}: this step's process was a standby, started", log)) == 1, log[-3000:]
 
 
 def _host_of(run_dir: Path, rank: int) -> str:
@@ -315,7 +320,7 @@ def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, ref
     run_dir = tmp_path / "job"
     timeout_s = 30
     job, pid = _two_node_job_at(slurm, run_dir, STEPS, timeout_s, 500, "--set", "job.spare_nodes=1",
-                                "--set", "checkpoint.local_every_steps=5")
+                                "--set", "checkpoint.local_every_steps=5", "--set", "job.standby=true")
     crashed = _host_of(run_dir, 1)
     seen = _steps(run_dir)    # rank 0 logs a step after its step_end, which rank 1 had joined
     os.kill(pid, signal.SIGKILL)
@@ -352,6 +357,10 @@ def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, ref
     # preemption, in its log or in a stop record (issue 33.2).
     for record in (run_dir / "logs" / "rank-0.log", run_dir / "logs" / "rank-1.log", run_dir / "stopped.json"):
         assert not record.exists() or "preemption" not in record.read_text(), record.read_text()[-3000:]
+    # job.standby: each restart went to other nodes (the spare, then the node left free), so
+    # the standby waiting on the old ones was dismissed and a new step started; none took over.
+    logs = "".join((run_dir / "logs" / f"rank-{r}.log").read_text() for r in (0, 1))
+    assert "was a standby" not in logs, logs[-3000:]
 
 
 def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):

@@ -104,7 +104,7 @@ def test_own_loop_script_preempted_then_killed_is_bitwise(slurm, local_reference
     run_dir = tmp_path / "job"
     r = slurm.cli("submit", "--script", CHARLM, "--nodes", "2", "--partition", "low", *SETS, "--run-dir", run_dir,
                   "--set", "checkpoint.every_steps=200", "--set", "checkpoint.local_every_steps=5",
-                  "--", "--steps", str(STEPS))
+                  "--set", "job.standby=true", "--", "--steps", str(STEPS))
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     _preempt_at(slurm, job, run_dir, [300])
@@ -127,6 +127,10 @@ def test_own_loop_script_preempted_then_killed_is_bitwise(slurm, local_reference
     assert [t for _, t in tiers] == ["shared", "local"], tiers
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
     assert "skipping" not in log0 + log1 and "does not load" not in log0 + log1, (log0 + log1)[-3000:]
+    # job.standby: the in-place restart (same nodes) was handed to the standby tasks started
+    # beside the requeued run's first step; the requeue itself started afresh (a new job).
+    for r, log in ((0, log0), (1, log1)):
+        assert len(re.findall(rf"rank {r}: this step's process was a standby, started", log)) == 1, log[-3000:]
     # At most 5 steps redone (issue 30): charlm logs a step before its step_end, so rank 1 had
     # finished step seen - 1 at least, and step_end waits for the last local item's write.
     # (The goodput ledger's count of redone steps, from metrics.jsonl, also counts a step that

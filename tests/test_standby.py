@@ -1,0 +1,112 @@
+"""job.standby (hpc_train.launch.standby): a task started ahead of its step, torch imported,
+waiting on its standard input for the go; and the batch shell's lines that start it and hand it
+the step. The standby's own behaviour is tested here on real processes; the hand-over through
+real srun steps, on the dev cluster, is in tests/slurm/test_slurm_own_code.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_train.config import from_dict
+from hpc_train.login import batch
+from hpc_train.login.sbatch import SbatchScript
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A task's worker, reduced to the standby's part: it installs a handler of its own first (as
+# submitit does), waits, then reports what the go set.
+PROGRAM = r"""
+import os, signal, sys, time
+from hpc_train.config import from_dict
+from hpc_train.launch import standby
+from hpc_train import goodput
+mine = lambda *a: None
+signal.signal(signal.SIGUSR2, mine)
+cfg = from_dict({"dist": {"strategy": "ddp"}, "train": {"script": sys.argv[1]} if sys.argv[1] else {}})
+was = standby.active()
+started = goodput.own_start_time()
+waited = standby.await_go(cfg)
+print("attempt", os.environ["HPC_TRAIN_ATTEMPT"], "resume", os.environ["HPC_TRAIN_RESUME"],
+      "standby", was, "env", os.environ.get("HPC_TRAIN_STANDBY"), "handler", signal.getsignal(signal.SIGUSR2) is mine,
+      "process-mark-moved", goodput.own_start_time() - started > 0.3, "waited", waited > 0.3, flush=True)
+"""
+
+
+def _start(script: str = "run.sh") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HPC_TRAIN_STANDBY": "1", "HPC_TRAIN_ATTEMPT": "1",
+           "HPC_TRAIN_RESUME": "stale"}
+    return subprocess.Popen([sys.executable, "-c", PROGRAM, script], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _waiting(p: subprocess.Popen, maps: str | None = None, timeout: float = 60.0) -> None:
+    """Until the process sleeps (in its read of stdin), with ``maps`` among its mappings."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert p.poll() is None, p.communicate()
+        try:
+            state = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            mapped = maps is None or maps in Path(f"/proc/{p.pid}/maps").read_text()
+        except OSError:
+            state, mapped = "?", False
+        if state == "S" and mapped:
+            time.sleep(0.3)     # and still asleep: not between two imports
+            if Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S":
+                return
+        time.sleep(0.05)
+    raise AssertionError("the standby never waited")
+
+
+def test_the_standby_waits_with_torch_loaded_and_the_go_sets_the_step():
+    p = _start(script="")
+    _waiting(p, maps="libtorch")        # torch is loaded before the go, not after it
+    time.sleep(0.4)
+    p.send_signal(signal.SIGUSR2)       # the job's time-limit signal, before its go: not its concern
+    time.sleep(0.3)
+    assert p.poll() is None
+    out, err = p.communicate("go 3 latest\n", timeout=60)
+    assert p.returncode == 0, err
+    assert out.split() == ["attempt", "3", "resume", "latest", "standby", "True", "env", "None", "handler", "True",
+                           "process-mark-moved", "True", "waited", "True"], (out, err)
+
+
+@pytest.mark.parametrize("feed,code,says", [("", 0, ""), ("go now\n", 1, "not a go line"),
+                                             ("go 2 two words\n", 1, "not a go line")])
+def test_a_standby_without_a_go_leaves_without_running(feed, code, says):
+    p = _start()
+    _waiting(p)
+    out, err = p.communicate(feed, timeout=60)
+    assert p.returncode == code and out == "" and says in err, (p.returncode, out, err)
+
+
+def test_a_stop_before_the_go_ends_the_standby():
+    p = _start()
+    _waiting(p)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGTERM
+
+
+def _script(cfg: dict, launcher: str = "srun") -> str:
+    return SbatchScript(from_dict(cfg), "/tmp/run dir", launcher=launcher).materialize()
+
+
+def test_the_batch_script_hands_a_restart_on_the_same_nodes_to_the_standby(tmp_path):
+    text = _script({"job": {"standby": True, "nodes": 2}})
+    (tmp_path / "job.sh").write_text(text)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
+    assert "\nhpc_train_step --kill-on-bad-exit=1 " in text
+    assert "HPC_TRAIN_STANDBY=1 command srun --overlap --input=all --open-mode=append $step_nodes" in text
+    assert '[ "$standby_nodes" = "$step_nodes" ]' in text and "exec 8>&-   # the standby's" in text
+    # Off (the default), and under torchrun (an agent, not a worker): the plain srun line.
+    for plain in (_script({"job": {"nodes": 2}}), _script({"job": {"standby": True, "nodes": 2}}, "torchrun")):
+        assert "hpc_train_step" not in plain and "srun $step_nodes --kill-on-bad-exit=1" in plain
+    loop = batch.Loop(from_dict({"job": {"standby": True}}).job)
+    assert loop.srun() == "hpc_train_step" and any("exec 8>&-" in x for x in loop.after())
