@@ -35,7 +35,8 @@ started = goodput.own_start_time()
 waited = standby.await_go(cfg)
 print("attempt", os.environ["HPC_TRAIN_ATTEMPT"], "resume", os.environ["HPC_TRAIN_RESUME"],
       "standby", was, "env", os.environ.get("HPC_TRAIN_STANDBY"), "handler", signal.getsignal(signal.SIGUSR2) is mine,
-      "process-mark-moved", goodput.own_start_time() - started > 0.3, "waited", waited > 0.3, flush=True)
+      "process-mark-moved", goodput.own_start_time() - started > 0.3, "waited", waited > 0.3,
+      "torch-loaded", "torch" in sys.modules, flush=True)
 """
 
 
@@ -74,7 +75,16 @@ def test_the_standby_waits_with_torch_loaded_and_the_go_sets_the_step():
     out, err = p.communicate("go 3 latest\n", timeout=60)
     assert p.returncode == 0, err
     assert out.split() == ["attempt", "3", "resume", "latest", "standby", "True", "env", "None", "handler", "True",
-                           "process-mark-moved", "True", "waited", "True"], (out, err)
+                           "process-mark-moved", "True", "waited", "True", "torch-loaded", "True"], (out, err)
+
+
+def test_a_go_within_the_hold_is_taken_before_any_import():
+    """A standby holds its imports for HOLD_S (its step's own start-up comes first); a go in
+    that time (a failure right after the start) is taken at once, torch not loaded by it."""
+    p = _start(script="")
+    out, err = p.communicate("go 2 latest\n", timeout=60)
+    assert p.returncode == 0, err
+    assert out.split()[:4] == ["attempt", "2", "resume", "latest"] and out.split()[-2:] == ["torch-loaded", "False"], out
 
 
 @pytest.mark.parametrize("feed,code,says", [("", 0, ""), ("go now\n", 1, "not a go line"),

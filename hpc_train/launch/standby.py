@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import select
 import signal
 import sys
 import time
@@ -36,6 +37,7 @@ from hpc_train import goodput, rundir, threads
 # DDP, torch._dynamo (DDP's constructor reads a mode of it: the longest import of a start-up).
 _ALWAYS = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel")
 _DDP = ("torch._dynamo",)
+HOLD_S = 3.0
 _GO = re.compile(r"go ([0-9]{1,9}) ([^\s]{1,4096})")   # the shell sends no resume value with a space
 
 
@@ -55,7 +57,14 @@ def await_go(cfg: Any) -> float:
         signal.signal(s, signal.SIG_IGN)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_DFL)   # not submitit's handlers: a job that ends ends it
-    if not cfg.train.script:   # a script's supervisor imports no torch: it has nothing to load
+    # Not at once: a standby starts with its step (the job's first, or a restart), and its imports
+    # would take CPU from that step's own start-up on a node with few cores. A go within the
+    # hold is taken at once (the imports then follow it, as in any new process).
+    try:
+        early = bool(select.select([0], [], [], HOLD_S)[0])
+    except (OSError, ValueError):   # no standard input: read below as an end-of-file
+        early = True
+    if not early and not cfg.train.script:   # a script's supervisor imports no torch
         threads.apply(os.environ, cfg.dist.threads_per_rank)   # before torch, as the worker does
         for name in (*_ALWAYS, *(_DDP if cfg.dist.strategy == "ddp" else ())):
             importlib.import_module(name)

@@ -366,11 +366,12 @@ def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, ref
 def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
     """job.min_nodes=1 through the rendered sbatch script: rank 1's node set DOWN mid-run, the
     next step runs on the node left at world size 1, resharded from the checkpoint, and the
-    steps continue after it."""
+    steps continue after it. With job.standby: the standby, one of whose tasks was on the lost
+    node, is dismissed (other nodes), and the new step starts afresh."""
     run_dir, script, steps = tmp_path / "job", tmp_path / "job.sbatch", 900
     r = slurm.cli("sbatch", *BASE, "--set", f"train.max_steps={steps}", "--set", "checkpoint.every_steps=200",
                   "--set", "dist.timeout_s=30", "--set", "job.min_nodes=1", "--nodes", "2", "--run-dir", run_dir,
-                  "-o", script)
+                  "--set", "job.standby=true", "-o", script)
     assert r.returncode == 0, r.stderr
     assert "#SBATCH --no-kill" in script.read_text()
     job = slurm.run("sbatch", "--parsable", str(script), check=True, cwd=tmp_path).stdout.strip()
@@ -382,6 +383,7 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
     assert json.loads((run_dir / "result.json").read_text())["world_size"] == 1
     resumed = int(re.search(r"resumed from step (\d+) \(\S+\), saved at world size 2, now 1: resharded", log0).group(1))
     assert resumed >= 200 and resumed % 200 == 0, resumed
+    assert "was a standby" not in log0, log0[-3000:]
     # The metrics: every step once up to the checkpoint, then from there again to the end.
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     after = [x["step"] for x in rows if x["time"] > json.loads((run_dir / "requeue.json").read_text())["in_place"][0]["time"]]
