@@ -120,3 +120,25 @@ def test_the_batch_script_hands_a_restart_on_the_same_nodes_to_the_standby(tmp_p
         assert "hpc_train_step" not in plain and "srun $step_nodes --kill-on-bad-exit=1" in plain
     loop = batch.Loop(from_dict({"job": {"standby": True}}).job)
     assert loop.srun() == "hpc_train_step" and any("exec 8>&-" in x for x in loop.after())
+
+
+@pytest.mark.parametrize("sets,calls", [(["job.spare_nodes=1"], "program --nodes=2 --ntasks=2 a b"),
+                                        (["job.standby=true"], "hpc_train_step a b")])
+def test_the_submitted_script_s_srun_function_reaches_srun_once(tmp_path, sets, calls):
+    """submit's batch script calls srun through a shell function named srun (nodes after a lost
+    node, or the standby): run as bash runs it, the function must reach the program srun (or
+    the standby's step function) once, not call itself."""
+    from hpc_train.config import load
+    from hpc_train.login.submission import dry_run_text, make_executor
+
+    text = dry_run_text(make_executor(load(None, sets), tmp_path, dry_run=True))
+    [fn] = [x for x in text.splitlines() if x.startswith("srun() {")]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\necho program "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    script = (f"FUNCNEST=20; step_nodes='--nodes=2 --ntasks=2'\nhpc_train_step() {{ echo hpc_train_step \"$@\"; }}\n"
+              f"{fn}\nsrun a b\n")
+    out = subprocess.run(["bash", "-c", script], env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == calls, (fn, out.stdout, out.stderr)

@@ -94,7 +94,9 @@ def make_executor(cfg: Config, run_dir: Path, dry_run: bool = False, header: str
     # submitit quotes its srun line; a step's nodes after a lost node reach it through a shell
     # function named srun, which the batch shell calls instead of the program (login.nodes).
     # With job.standby, the function hands the step to the standby (login.batch.Loop).
-    step = ([f'srun() {{ {loop.srun()} "$@"; }}'] if loop.standby or nodes.guards_nodes(job) else [])
+    # ("command": the function must not call itself.)
+    run = "hpc_train_step" if loop.standby else "command srun $step_nodes"
+    step = [f'srun() {{ {run} "$@"; }}'] if loop.standby or nodes.guards_nodes(job) else []
     params: dict[str, Any] = dict(
         job_name=opts.pop("job-name"), nodes=opts.pop("nodes"), ntasks_per_node=opts.pop("ntasks-per-node"),
         cpus_per_task=opts.pop("cpus-per-task"), time=opts.pop("time"), signal_delay_s=job.signal_lead,
