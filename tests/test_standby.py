@@ -133,6 +133,8 @@ def test_the_submitted_script_s_srun_function_reaches_srun_once(tmp_path, sets, 
 
     text = dry_run_text(make_executor(load(None, sets), tmp_path, dry_run=True))
     [fn] = [x for x in text.splitlines() if x.startswith("srun() {")]
+    # A stand-in program named srun records how it is called: this is the shell function's own
+    # logic; real sruns through it are in tests/slurm (the straggler swap, the killed rank).
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/bin/sh\necho program "$@"\n')
