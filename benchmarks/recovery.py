@@ -48,15 +48,15 @@ from preemption import _json, sets, steps_done, submit, wait_gone, wait_steps  #
 from reps import Reps  # noqa: E402
 from submit_latency import local_cluster  # noqa: E402
 
+# Issue 30: the shared tier every 200 steps, each node's own memory every 5 steps.
+LOCAL = sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__every_steps=200,
+             checkpoint__local_every_steps=5)
 # The node-local tier is on by default (every 30 s): off in the first two, the shared tier alone.
 VARIANTS = {"in place": sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__local_every_seconds=0),
             "requeue": sets(job__restarts_in_place=0, job__requeue_failure=100, checkpoint__local_every_seconds=0),
-            # Issue 30: the shared tier every 200 steps, each node's own memory every 5 steps.
-            "local tier": sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__every_steps=200,
-                               checkpoint__local_every_steps=5),
+            "local tier": LOCAL,
             # The same, with job.standby: the restart handed to tasks started beside the first step.
-            "+ standby": sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__every_steps=200,
-                              checkpoint__local_every_steps=5, job__standby=True)}
+            "+ standby": LOCAL + sets(job__standby=True)}
 HOUR_S = 3600.0
 SHARED_EVERY_S, LOCAL_EVERY_S = 600.0, 30.0   # the projection's clocks: checkpoint.every_seconds, the issue's local one
 PERIOD_S = 60.0

@@ -15,7 +15,7 @@ job's end and a shell that closes the FIFO dismiss it: it reads end-of-file and 
 a result (submitit writes none).
 
 Before the go, the job's signals do not concern it: its time-limit signal (USR1/USR2) is
-ignored, SIGTERM and SIGINT end it quietly; after the go, the handlers it had are back, and the
+ignored, SIGTERM and SIGINT end it as they end any process (not submitit's handlers); after the go, the handlers it had are back, and the
 worker installs the job's own, as in any task. The goodput ledger counts the process's start-up
 from the go (its ``process`` mark), not from when it was started in advance.
 """

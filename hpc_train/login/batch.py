@@ -131,7 +131,7 @@ class Loop:
             "}",
             "hpc_train_step() {",
             '  local took=""',
-            '  case "${HPC_TRAIN_RESUME:-latest}" in *[[:space:]]*) ;; *)',
+            f'  case "${{{RESUME_ENV}:-latest}}" in *[[:space:]]*) ;; *)',
             '    if [ -n "$standby" ] && [ "$standby_nodes" = "$step_nodes" ] && kill -0 "$standby" 2>/dev/null \\',
             f'      && printf \'go %s %s\\n\' "${ATTEMPT_ENV}" "${{{RESUME_ENV}:-latest}}" >&8; then took="$standby"; fi;;',
             "  esac",
