@@ -56,6 +56,31 @@ def test_store_beats_are_read_as_ages_and_a_silent_peer_is_named(store, monkeypa
     one.stop()
 
 
+def test_reads_make_no_thread_each(store):
+    """Every read goes through one reader thread, made at the first read and kept: a process
+    stopped while it was making a thread once crashed faulthandler's stack dump (the frozen
+    rank's stack, which the watchdog asks for), on the half-made thread's state."""
+    import threading
+    _, port = store
+    watcher = beats.StoreBeats("127.0.0.1", port, 0, "hpc_train/beats/", 0)
+    made = []
+    real = threading.Thread.start
+
+    def counted(self):
+        made.append(self)
+        return real(self)
+    threading.Thread.start = counted
+    try:
+        for _ in range(20):
+            assert watcher.ages([1]) == {1: None}
+    finally:
+        threading.Thread.start = real
+    assert [t.name for t in made] == ["hpc_train-beats-read"], made
+    watcher.stop()
+    made[0].join(5)
+    assert not made[0].is_alive(), "stop() did not end the reader thread"
+
+
 def _stop(pid: int) -> None:
     """SIGSTOP ``pid`` and wait until every thread of it is stopped: kill() returns when the
     signal is sent, and on a loaded machine the store's server thread could still answer one

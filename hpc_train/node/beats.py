@@ -21,8 +21,12 @@ Two channels, one per kind of process:
 
 Hazard: a ``TCPStore`` whose server is frozen (rank 0 stopped with SIGSTOP hosts it, unless
 torchrun's agent does) blocks every request, with no timeout, even a new connection's (its
-kernel still accepts). So a read runs on a thread of its own and is given up after
-:data:`READ_WAIT_S`: the store's host is then the culprit (:class:`Silent`). The beating thread
+kernel still accepts). So reads run on a thread of their own and one is given up after
+:data:`READ_WAIT_S`: the store's host is then the culprit (:class:`Silent`). That thread lives as
+long as the heartbeat, and reads one request at a time: a thread made per read was, now and then,
+half made when its process was stopped (a thread state linked in, its thread not yet run), and
+faulthandler's dump of every thread, which the watchdog asks of a frozen rank, crashed on it
+with nothing written past that thread's header. The beating thread
 may block the same way; nothing waits on it (it is a daemon, and the fork lock of the file
 channel is not taken around it: a data loader's fork would wait as long as the store is frozen).
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -121,6 +126,10 @@ class StoreBeats(_Beater):
                                use_libuv=True)
         self._store = dist.PrefixStore(prefix, client)
         self._failed = False
+        self._asks: queue.SimpleQueue[_Read | None] = queue.SimpleQueue()
+        self._asking = threading.Lock()      # ages() may be called from several threads
+        self._last: _Read | None = None
+        self._reader: threading.Thread | None = None
 
     def _beat(self) -> None:
         if self._failed:
@@ -131,26 +140,51 @@ class StoreBeats(_Beater):
             self._failed = True
 
     def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
-        got: dict[str, object] = {}
-
-        def read() -> None:
-            keys = [str(r) for r in rank_list]
-            try:
-                if self._store.check(keys):
-                    got["v"] = dict(zip(keys, self._store.multi_get(keys)))
-                else:
-                    got["v"] = {k: self._store.get(k) for k in keys if self._store.check([k])}
-            except Exception as e:  # noqa: BLE001 - a store that went away
-                got["e"] = e
-        t = threading.Thread(target=read, name="hpc_train-beats-read", daemon=True)
-        t.start()
-        t.join(READ_WAIT_S)
-        if "v" not in got:
-            why = f"failed: {str(got['e']).splitlines()[0][:200]}" if "e" in got else f"did not answer in {READ_WAIT_S:.0f}s"
-            raise Silent(f"the rendezvous store at {self.where} {why}", self.host_rank)
+        deadline = time.monotonic() + READ_WAIT_S
+        with self._asking:
+            # A read still out is waited for first: the store answers one request at a time.
+            before = self._last
+            if before is not None and not before.done.wait(max(0.0, deadline - time.monotonic())):
+                raise Silent(f"the rendezvous store at {self.where} did not answer in {READ_WAIT_S:.0f}s",
+                             self.host_rank)
+            read = self._last = _Read([str(r) for r in rank_list])
+            if self._reader is None:
+                self._reader = threading.Thread(target=self._serve, name="hpc_train-beats-read", daemon=True)
+                self._reader.start()
+            self._asks.put(read)
+        if not read.done.wait(max(0.0, deadline - time.monotonic())):
+            raise Silent(f"the rendezvous store at {self.where} did not answer in {READ_WAIT_S:.0f}s", self.host_rank)
+        if read.error is not None:
+            raise Silent(f"the rendezvous store at {self.where} failed: {str(read.error).splitlines()[0][:200]}",
+                         self.host_rank)
         now = time.time() if now is None else now
-        vals: dict[str, bytes] = got["v"]   # type: ignore[assignment]
+        vals = read.values
         return {r: max(0.0, now - float(vals[str(r)])) if str(r) in vals else None for r in rank_list}
+
+    def stop(self) -> None:
+        super().stop()
+        self._asks.put(None)
+
+    def _serve(self) -> None:
+        """The reader thread: one read at a time, until :meth:`stop`."""
+        while (read := self._asks.get()) is not None:
+            try:
+                if self._store.check(read.keys):
+                    read.values = dict(zip(read.keys, self._store.multi_get(read.keys)))
+                else:
+                    read.values = {k: self._store.get(k) for k in read.keys if self._store.check([k])}
+            except Exception as e:  # noqa: BLE001 - a store that went away
+                read.error = e
+            read.done.set()
+
+
+class _Read:
+    """One read of the beats' keys, answered by :meth:`StoreBeats._serve`."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys, self.done = keys, threading.Event()
+        self.values: dict[str, bytes] = {}
+        self.error: Exception | None = None
 
 
 def for_run(env, run_dir: Path, owns_group: bool):
