@@ -101,10 +101,18 @@ def steps(run_dir: Path) -> list[int]:
     return sorted((int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit()), reverse=True)
 
 
+def metric_lines(run_dir: Path) -> list[str]:
+    """The lines of ``metrics.jsonl`` that are whole: rank 0 flushes the file on a clock and a
+    full buffer goes out whole, so a file read while its run trains (or after a kill) may end
+    inside a line. Every line before the last newline must parse."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    return text[:text.rfind("\n") + 1].splitlines()
+
+
 def train_losses(run_dir: Path) -> dict[int, float]:
     """step -> loss from metrics.jsonl; fails if a training step appears more than once."""
     out: dict[int, float] = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+    for line in metric_lines(run_dir):
         rec = json.loads(line)
         if "loss" in rec:
             assert rec["step"] not in out, f"step {rec['step']} appears twice in metrics.jsonl"

@@ -15,20 +15,20 @@ import sys
 import time
 from pathlib import Path
 
-from ckpt_helpers import REPO, clean_env, hpc, kill9_workers, show, write_config
+from ckpt_helpers import REPO, clean_env, hpc, kill9_workers, metric_lines, show, write_config
 
 from hpc_train import goodput
 from hpc_train.ckpt import store as resume
 
 
 def _metric_steps(run_dir: Path) -> list[int]:
-    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    return [json.loads(x)["step"] for x in metric_lines(run_dir) if '"loss"' in x]
 
 
 def _steps_past(run_dir: Path, step: int) -> set[int]:
     """The steps past ``step`` that some line of ``metrics.jsonl`` says ended (a straggler report
     is written at its step's end, before the step's loss line: a kill can fall between them)."""
-    return {s for s in (json.loads(x).get("step") for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {s for s in (json.loads(x).get("step") for x in metric_lines(run_dir))
             if isinstance(s, int) and s > step}
 
 

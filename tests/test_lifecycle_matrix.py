@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckpt_helpers import clean_env, snapshot
+from ckpt_helpers import clean_env, metric_lines, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -95,7 +95,7 @@ def wait_for_step(rd: Path, step: int, p: subprocess.Popen, timeout: float = 120
     while time.time() < deadline:
         assert p.poll() is None, f"ended early ({p.returncode}): {p.communicate()[1][-4000:]}"
         try:
-            if any(json.loads(ln).get("step", 0) >= step for ln in (rd / "metrics.jsonl").read_text().splitlines()):
+            if any(json.loads(ln).get("step", 0) >= step for ln in metric_lines(rd)):
                 return
         except (OSError, ValueError):
             pass
@@ -123,7 +123,7 @@ def test_every_guarantee_on_every_local_path(path, tmp_path):
         assert "Traceback" not in err2 or path == "torchrun", err2[-3000:]   # torchrun prints its own
         assert first.poll() is None, "the first run was harmed by the refused second one"
         # stop: a real SIGTERM to the top process saves, exits non-zero, says how to resume
-        before = max(json.loads(ln)["step"] for ln in (rd / "metrics.jsonl").read_text().splitlines())
+        before = max(json.loads(ln)["step"] for ln in metric_lines(rd))
         os.kill(first.pid, signal.SIGTERM)
         code, err = finish(first)
     finally:
@@ -147,7 +147,7 @@ def test_every_guarantee_on_every_local_path(path, tmp_path):
     result = json.loads((rd / "result.json").read_text())
     assert not (rd / "stopped.json").exists(), "a stale stopped.json after the run finished"
     assert json.loads((rd / "goodput.json").read_text())["segments"], "no goodput segment"
-    metrics = [json.loads(ln) for ln in (rd / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(ln) for ln in metric_lines(rd)]
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, STEPS + 1)), "steps redone or lost"
     if path != "run-script":
         assert result.get("steps") == STEPS, result

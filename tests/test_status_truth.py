@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import REPO, children, clean_env, hpc, show, start, write_config
+from ckpt_helpers import REPO, children, clean_env, hpc, metric_lines, show, start, write_config
 
 # Each chain of runs takes longer than a test should; its tests share it (module fixtures).
 pytestmark = pytest.mark.slow
@@ -78,7 +78,7 @@ def first_step_reported(rd: Path) -> bool:
 def logged_past(rd: Path, step: int) -> bool:
     """metrics.jsonl holds a step after ``step``."""
     try:
-        return any(json.loads(ln)["step"] > step for ln in (rd / "metrics.jsonl").read_text().splitlines())
+        return any(json.loads(ln)["step"] > step for ln in metric_lines(rd))
     except (OSError, ValueError, KeyError):
         return False
 

@@ -112,9 +112,17 @@ def assert_bitwise(a: dict, b: dict) -> None:
     assert not diff, f"tensors differ: {diff}"
 
 
+def metric_lines(run_dir: Path) -> list[str]:
+    """The lines of ``metrics.jsonl`` that are whole: rank 0 flushes the file on a clock and a
+    full buffer goes out whole, so a file read while its run trains (or after a kill) may end
+    inside a line. Every line before the last newline must parse."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    return text[:text.rfind("\n") + 1].splitlines()
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in metric_lines(run_dir):
         rec = json.loads(line)
         if "loss" in rec:
             out[rec["step"]] = rec["loss"]

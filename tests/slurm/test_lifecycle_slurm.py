@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import PY, ROOT
+from slurm_helpers import PY, ROOT, metric_lines
 
 
 pytestmark = pytest.mark.slurm
@@ -32,7 +32,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 def _max_step(rd: Path) -> int:
     try:
-        return max((json.loads(ln).get("step", 0) for ln in (rd / "metrics.jsonl").read_text().splitlines()), default=0)
+        return max((json.loads(ln).get("step", 0) for ln in metric_lines(rd)), default=0)
     except (OSError, ValueError):
         return 0
 
@@ -68,7 +68,7 @@ def test_plain_srun_of_an_own_loop_keeps_every_guarantee(slurm, tmp_path):
     assert not (rd / "stopped.json").exists(), "a stale stopped.json after the run finished"
     assert len(json.loads((rd / "goodput.json").read_text())["segments"]) >= 2
     # One row per logged step (the ranks' step-time spread, every 50 steps, is a row of its own)
-    steps = [r["step"] for r in map(json.loads, (rd / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    steps = [r["step"] for r in map(json.loads, metric_lines(rd)) if "loss" in r]
     assert steps == list(range(1, STEPS + 1)), steps
     # finished: a fourth start does nothing, exits 0, changes nothing
     before = snapshot(rd)

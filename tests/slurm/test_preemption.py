@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import ROOT, assert_bitwise, damage_shared_tier, export, losses
+from slurm_helpers import ROOT, assert_bitwise, damage_shared_tier, export, losses, metric_lines
 
 pytestmark = pytest.mark.slurm
 
@@ -207,7 +207,7 @@ def _wait_steps_after(run_dir: Path, since: float, at_least: int, timeout: float
     """Wait until a step logged after ``since`` (``time.time()``) reaches ``at_least``."""
     deadline = time.monotonic() + timeout
     while True:
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        rows = [json.loads(x) for x in metric_lines(run_dir) if '"loss"' in x]
         if max((r["step"] for r in rows if r["time"] > since), default=0) >= at_least:
             return
         assert time.monotonic() < deadline, f"no progress to step {at_least} after the restart in {run_dir}"
@@ -385,7 +385,7 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
     assert resumed >= 200 and resumed % 200 == 0, resumed
     assert "was a standby" not in log0, log0[-3000:]
     # The metrics: every step once up to the checkpoint, then from there again to the end.
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    rows = [json.loads(x) for x in metric_lines(run_dir) if '"loss"' in x]
     after = [x["step"] for x in rows if x["time"] > json.loads((run_dir / "requeue.json").read_text())["in_place"][0]["time"]]
     assert after == list(range(resumed + 1, steps + 1)), after[:5]
     status = slurm.cli("status", run_dir).stdout
