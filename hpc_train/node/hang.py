@@ -33,7 +33,6 @@ import faulthandler
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -203,11 +202,7 @@ class HangWatch:
             except OSError:
                 pass
         elif self.job_step:
-            for sig in (str(int(watchdog.DUMP_SIGNAL)), "CONT"):
-                try:
-                    subprocess.run(["scancel", f"--signal={sig}", self.job_step], capture_output=True, timeout=30)
-                except (OSError, subprocess.TimeoutExpired):
-                    pass
+            watchdog.ask_step_for_stacks(self.job_step)   # this rank's own stack is written (above)
 
 
 class Watches:

@@ -199,6 +199,29 @@ def ask_for_stack(pid: int) -> None:
         pass
 
 
+
+def ask_step_for_stacks(job_step: str) -> None:
+    """Every task of the Slurm job step ``job_step`` writes its stacks: the dump signal, then
+    SIGCONT for a stopped one. The asking process is one of those tasks, and takes no dump
+    signal from then on (it is ending; its caller writes its stack from Python if it wants it).
+    faulthandler's dump of every thread, run in a signal handler, reads the other threads'
+    frames without the GIL, and crashed the asking rank 0 (SIGSEGV, its dump cut off) while its
+    own thread ran this function's subprocess call: the step's error then named rank 0, lost,
+    instead of the rank that hung."""
+    import ctypes
+    import subprocess
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal(int(DUMP_SIGNAL), ctypes.c_void_p(1))      # SIG_IGN, process-wide, from any thread
+    except (OSError, AttributeError):
+        pass
+    for sig in (str(int(DUMP_SIGNAL)), "CONT"):
+        try:
+            subprocess.run(["scancel", f"--signal={sig}", job_step], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
 def limit_for(timeout_s: float) -> float:
     """How old a heartbeat may get: half of ``dist.timeout_s``, so a frozen rank is named before
     its peers' collectives time out (and blame nobody), but never under three beats."""
@@ -257,9 +280,7 @@ def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str,
             msg = describe(run_dir, *found)
             log.error("%s; ending the job step", msg)
             rundir.write_atomic(rundir.rank_error(run_dir, 0), f"WatchdogError: {msg}\n")
-            import subprocess
-            for sig in (str(int(DUMP_SIGNAL)), "CONT"):
-                subprocess.run(["scancel", f"--signal={sig}", job_step], capture_output=True, timeout=30)
+            ask_step_for_stacks(job_step)
             time.sleep(3)
             logging.shutdown()
             os._exit(1)
