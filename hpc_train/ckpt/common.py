@@ -8,7 +8,6 @@ by rank 0 once every rank's share is on disk, ``commit.json`` (see :mod:`hpc_tra
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 import warnings
@@ -95,17 +94,3 @@ def why(e: BaseException) -> str:
     line = (named or lines or [type(e).__name__])[-1]
     # DCP re-raises a rank's error as "module.Class: message"; hpc_train's own need no prefix.
     return line.removeprefix("hpc_train.errors.CheckpointError: ")
-
-
-def cpu_copy(obj: Any) -> tuple[Any, int]:
-    """One copy of a (nested) state dict, tensors detached on the CPU (what a background write
-    reads), and the bytes of its tensors."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True), obj.numel() * obj.element_size()
-    if isinstance(obj, (dict, list, tuple)):
-        pairs = {k: cpu_copy(v) for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj))}
-        n = sum(b for _, b in pairs.values())
-        if isinstance(obj, dict):
-            return {k: c for k, (c, _) in pairs.items()}, n
-        return type(obj)(c for c, _ in pairs.values()), n
-    return copy.deepcopy(obj), 0

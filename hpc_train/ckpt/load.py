@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+from hpc_train.ckpt import flat
 from hpc_train.ckpt import state as state_mod
 from hpc_train.ckpt import store as resume
 from hpc_train.ckpt.checksum import Checks
@@ -58,12 +59,28 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
     check_keys(path, info.record.get("state"), kinds)
     checks = Checks(path, info.record)
     dcp_st = dcp_state(state, kinds)
-    if dcp_st:
+    saved = info.record.get("world_size")
+    flat_item = info.record.get("layout") == flat.LAYOUT
+    if flat_item and saved != world_size:
+        raise CheckpointError(f"a local item loads at the world size it was saved at ({saved}), not {world_size}")
+    # This rank's own file: its RNG states and values, and for a flat item the layout.
+    mine = safe_torch_load(rank_file(path, rank), checks) if saved == world_size else None
+    skeleton = mine.get(flat.KEY) if flat_item and isinstance(mine, dict) else None
+    if flat_item and skeleton is None:
+        raise CheckpointError(f"{rank_file(path, rank).name} holds no layout for this item's tensors")
+    if dcp_st or flat_item:
+        no_dist = single or not (dist.is_initialized() and world_size > 1)
         try:
             reader = SafeReader(str(path), checks)
             reader.read_metadata()    # checked before DCP reads it (see SafeReader)
-            dcp.load(dcp_st, storage_reader=reader, planner=SafePlanner(),
-                     process_group=None, no_dist=single or not (dist.is_initialized() and world_size > 1))
+            if flat_item:
+                buffers = flat.empty_buffers(skeleton)
+                if buffers[flat.KEY]:
+                    dcp.load(buffers, storage_reader=reader, planner=SafePlanner(), process_group=None,
+                             no_dist=no_dist)
+                flat.fill(dcp_st, skeleton, buffers)
+            else:
+                dcp.load(dcp_st, storage_reader=reader, planner=SafePlanner(), process_group=None, no_dist=no_dist)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
             # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
             w = why(e)
@@ -79,9 +96,7 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
     for k, kind in kinds.items():
         if kind == "stateful":
             state[k].load_state_dict(app[k])
-    saved = info.record.get("world_size")
     if saved == world_size:
-        mine = safe_torch_load(rank_file(path, rank), checks)
         # This rank's own plain values; a checkpoint from before they were saved per rank has
         # only rank 0's, in app.pt.
         plain = mine.get("plain", {}) if isinstance(mine, dict) else {}

@@ -5,7 +5,9 @@ A local item is a step directory of the shared tier's format (DCP items, ``app.p
 record and checks), but written by one rank alone, with DCP's ``no_dist``: a normal DCP save keeps
 each replicated tensor once across ranks, so one rank's files would not hold what that rank
 needs. Here every rank writes everything it holds (under DDP the whole replica), so a rank
-restores from its own node alone. Where it lives: :mod:`hpc_train.config_local`.
+restores from its own node alone. Its tensors travel as one buffer per dtype
+(:mod:`hpc_train.ckpt.flat`, the record's ``"layout": "flat"``): an item is never resharded, and
+a DCP item per tensor cost most of a save's CPU. Where it lives: :mod:`hpc_train.config_local`.
 
 Saves are asynchronous: the training thread copies the state (one copy, as the shared tier's
 stager does) and a thread of this tier's writes and commits it; one save in flight; the newest
@@ -49,8 +51,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpc_train import config_local
-from hpc_train.ckpt import peer, store, tiers
-from hpc_train.ckpt.common import APP_FILE, cpu_copy, dcp_state, rank_file, why
+from hpc_train.ckpt import flat, peer, store, tiers
+from hpc_train.ckpt.common import APP_FILE, dcp_state, rank_file, why
 from hpc_train.ckpt.crc import ChecksummingWriter, save_pt
 from hpc_train.ckpt.save import _app_state, _rank_state
 from hpc_train.config import Config
@@ -63,7 +65,7 @@ _LISTED = 16   # steps per rank in the restore's all-gather (local_keep is small
 @dataclass
 class _Staged:
     """A save's copy of this rank's state, taken on the training thread, for the writer thread."""
-    state: dict[str, Any]             # DCP's part (modules, optimizers), on the CPU
+    state: dict[str, Any]             # what DCP writes: the flat buffers (modules, optimizers), on the CPU
     small: tuple[Any, Any]            # (rank-R.pt's, app.pt's) contents
     path: Path                        # the step directory it goes to
     kinds: dict[str, str]
@@ -193,13 +195,14 @@ class LocalTier:
                    for p in state[k].parameters()):
             return None   # the next step's agreement names the divergence; never keep a NaN locally
         t0 = time.perf_counter()
-        staged, nbytes = cpu_copy(dcp_state(state, kinds))
+        staged, skeleton, nbytes = flat.pack(dcp_state(state, kinds))
         if not self._space_ok(nbytes):
             return None
         own = _rank_state(state, kinds)
         rng = own.pop("rng")   # built fresh for this save (a 625-int list deepcopy would walk)
         small = copy.deepcopy((own, _app_state(state, kinds)))
         small[0]["rng"] = rng
+        small[0][flat.KEY] = skeleton
         path = self.dir / f"step-{step}"
         if not self.stats:   # where it is and what it costs, once per run and rank
             ring = self.peers.ring if self.peers is not None else None
@@ -248,7 +251,7 @@ class LocalTier:
         except CheckpointException as e:   # a BaseException: make it an ordinary one for wait()
             raise OSError(why(e)) from None
         store.write_commit(path, {**self.record, "step": step, "time": time.time(), "world_size": self.world,
-                                  "rank": self.rank, "tier": TIER, "run_dir": str(self.run_dir),
+                                  "rank": self.rank, "tier": TIER, "layout": flat.LAYOUT, "run_dir": str(self.run_dir),
                                   "torch": torch.__version__, "state": kinds,
                                   "save_seconds": round(time.perf_counter() - t0, 4)},
                            sums=writer.checksums, warn=log.warning, durable=False)
