@@ -126,7 +126,7 @@ class StoreBeats(_Beater):
                                use_libuv=True)
         self._store = dist.PrefixStore(prefix, client)
         self._failed = False
-        self._asks: queue.SimpleQueue[_Read | None] = queue.SimpleQueue()
+        self._asks: queue.SimpleQueue[_Read] = queue.SimpleQueue()
         self._asking = threading.Lock()      # ages() may be called from several threads
         self._last: _Read | None = None
         self._reader: threading.Thread | None = None
@@ -161,13 +161,12 @@ class StoreBeats(_Beater):
         vals = read.values
         return {r: max(0.0, now - float(vals[str(r)])) if str(r) in vals else None for r in rank_list}
 
-    def stop(self) -> None:
-        super().stop()
-        self._asks.put(None)
-
     def _serve(self) -> None:
-        """The reader thread: one read at a time, until :meth:`stop`."""
-        while (read := self._asks.get()) is not None:
+        """The reader thread: one read at a time, for as long as the process lives. Not ended by
+        :meth:`stop`, which ends the beating: rank 0's Slurm watchdog reads on after its Run
+        closed, until the process exits."""
+        while True:
+            read = self._asks.get()
             try:
                 if self._store.check(read.keys):
                     read.values = dict(zip(read.keys, self._store.multi_get(read.keys)))
