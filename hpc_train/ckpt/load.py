@@ -63,11 +63,15 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
     flat_item = info.record.get("layout") == flat.LAYOUT
     if flat_item and saved != world_size:
         raise CheckpointError(f"a local item loads at the world size it was saved at ({saved}), not {world_size}")
-    # This rank's own file: its RNG states and values, and for a flat item the layout.
-    mine = safe_torch_load(rank_file(path, rank), checks) if saved == world_size else None
-    skeleton = mine.get(flat.KEY) if flat_item and isinstance(mine, dict) else None
-    if flat_item and skeleton is None:
-        raise CheckpointError(f"{rank_file(path, rank).name} holds no layout for this item's tensors")
+    # A flat item's layout is in this rank's own file, read first: the item is this rank's alone,
+    # loaded with no collective. A shared checkpoint's is read after DCP's load, a collective that
+    # every rank must enter even when its own file is bad (it then fails after it, with the rest).
+    mine, skeleton = None, None
+    if flat_item:
+        mine = safe_torch_load(rank_file(path, rank), checks)
+        skeleton = mine.get(flat.KEY) if isinstance(mine, dict) else None
+        if skeleton is None:
+            raise CheckpointError(f"{rank_file(path, rank).name} holds no layout for this item's tensors")
     if dcp_st or flat_item:
         no_dist = single or not (dist.is_initialized() and world_size > 1)
         try:
@@ -97,6 +101,8 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
         if kind == "stateful":
             state[k].load_state_dict(app[k])
     if saved == world_size:
+        if mine is None:
+            mine = safe_torch_load(rank_file(path, rank), checks)
         # This rank's own plain values; a checkpoint from before they were saved per rank has
         # only rank 0's, in app.pt.
         plain = mine.get("plain", {}) if isinstance(mine, dict) else {}
