@@ -56,7 +56,7 @@ def states(draw, depth: int = 0):
     return out
 
 
-def _like(obj, zero: bool = True):
+def _like(obj):
     """The same nesting, every tensor a fresh one of its shape and dtype (the live state a load
     fills), every plain value different."""
     if isinstance(obj, torch.Tensor):
@@ -98,7 +98,7 @@ def _round_trip(state: dict, target, where: Path):
 @given(state=states())
 def test_any_state_comes_back_bitwise_into_the_live_tensors(tmp_path_factory, state):
     target = _like(state)
-    live = [t for t in _tensors(target)]
+    live = list(_tensors(target))
     out, saved = _round_trip(state, target, tmp_path_factory.mktemp("item") / "step-1")
     assert _equal(state, out)
     assert [id(t) for t in _tensors(out)] == [id(t) for t in live]     # filled in place, as DCP loads

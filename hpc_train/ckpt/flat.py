@@ -18,6 +18,7 @@ load does, once every place and shape is checked: a model that changed is a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ def pack(state: dict[str, Any]) -> tuple[dict[str, dict[str, torch.Tensor]], dic
 
     def mark(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            name = str(obj.dtype).removeprefix("torch.")
+            name = _name(obj.dtype)
             offset = sizes.get(name, 0)
             sizes[name] = offset + obj.numel()
             places.append((obj, name, offset))
@@ -59,10 +60,7 @@ def empty_buffers(skeleton: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Buffers of the sizes the skeleton's marks need, for DCP to load into."""
     sizes: dict[str, int] = {}
     for name, offset, shape in _marks(skeleton):
-        n = 1
-        for d in shape:
-            n *= d
-        sizes[name] = max(sizes.get(name, 0), offset + n)
+        sizes[name] = max(sizes.get(name, 0), offset + math.prod(shape))
     return {KEY: {name: torch.empty(n, dtype=_dtype(name)) for name, n in sizes.items()}}
 
 
@@ -88,7 +86,7 @@ def _plan(target: Any, skeleton: Any, bufs: dict[str, torch.Tensor], where: str,
         name, offset, shape = skeleton[MARK]
         if not isinstance(target, torch.Tensor):
             raise CheckpointError(f"{where or 'the state'} is a tensor in the checkpoint and not in the state now")
-        now = str(target.dtype).removeprefix("torch.")
+        now = _name(target.dtype)
         if list(target.shape) != list(shape) or now != name:
             raise CheckpointError(f"size mismatch for {where}: the checkpoint holds {name} {list(shape)}, the "
                                   f"state now {now} {list(target.shape)}")
@@ -137,6 +135,11 @@ def _marks(obj: Any):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _marks(v)
+
+
+def _name(dtype: torch.dtype) -> str:
+    """A dtype as the skeleton names it (``float32``), which :func:`_dtype` reads back."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -199,7 +199,6 @@ def ask_for_stack(pid: int) -> None:
         pass
 
 
-
 def ask_step_for_stacks(job_step: str) -> None:
     """Every task of the Slurm job step ``job_step`` writes its stacks: the dump signal, then
     SIGCONT for a stopped one. The asking process is one of those tasks, and takes no dump
@@ -221,6 +220,7 @@ def ask_step_for_stacks(job_step: str) -> None:
             subprocess.run(["scancel", f"--signal={sig}", job_step], capture_output=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             pass
+
 
 def limit_for(timeout_s: float) -> float:
     """How old a heartbeat may get: half of ``dist.timeout_s``, so a frozen rank is named before
