@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, get_state_dict
 
 from hpc_train import rundir
 from hpc_train.ckpt import store
@@ -65,17 +65,25 @@ def dcp_state(state: Mapping[str, Any], kinds: dict[str, str], copy_buffers: boo
     """Modules and optimizers as DCP state dicts (unwrapped from DDP, sharded under FSDP).
     ``copy_buffers``: buffers (BatchNorm statistics) as copies made now, for a copy of the rest
     that overlaps the next forward, which changes buffers (see Checkpointer._save)."""
-    out: dict[str, Any] = {}
+    owners = {k: owner_module(state, kinds, k) for k, kind in kinds.items() if kind == "optimizer"}
+    got: dict[str, Any] = {}
     for k, kind in kinds.items():
-        if kind == "module":
-            sd = get_model_state_dict(state[k])
-            if copy_buffers:
-                bufs = {id(b) for b in state[k].buffers()}
-                sd = {n: (t.clone() if id(t) in bufs else t) for n, t in sd.items()}
-            out[k] = sd
-        elif kind == "optimizer":
-            out[k] = get_optimizer_state_dict(owner_module(state, kinds, k), state[k])
-    return out
+        if kind != "module":
+            continue
+        mine = [o for o, m in owners.items() if m is state[k]]
+        if len(mine) == 1:
+            # One call for a module and its optimizer: each call maps every parameter to its
+            # name first, the larger part of its cost on the training thread for a small model.
+            got[k], got[mine[0]] = get_state_dict(state[k], state[mine[0]])
+        else:
+            got[k] = get_model_state_dict(state[k])
+        if copy_buffers:
+            bufs = {id(b) for b in state[k].buffers()}
+            got[k] = {n: (t.clone() if id(t) in bufs else t) for n, t in got[k].items()}
+    for k, module in owners.items():
+        if k not in got:
+            got[k] = get_optimizer_state_dict(module, state[k])
+    return {k: got[k] for k in kinds if k in got}
 
 
 def plain_of(key: str, obj: Any) -> Any:
