@@ -348,3 +348,46 @@ def test_a_symlink_among_the_local_items_is_neither_listed_nor_removed_through(t
     assert (elsewhere / "keep.txt").read_text() == "not the tier's"
     tier.close(remove=True)
     assert (elsewhere / "keep.txt").exists()
+
+
+def test_the_newest_items_are_kept_across_saves_and_a_restore(tmp_path):
+    """local_keep 2: what the directory holds is read at the first save (a leftover of a save
+    cut short goes), then each save adds its own step; a restore to an older step removes the
+    newer items, and the next save reads the directory again (a restore can fetch an item from
+    a peer into it: here one of step 2)."""
+    from hpc_train import config as config_mod
+    from hpc_train.ckpt.local import LocalTier
+    base, run_dir = tmp_path / "shm", tmp_path / "run"
+    base.mkdir()
+    run_dir.mkdir()
+    cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
+    tier = LocalTier(cfg, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
+    model = torch.nn.Linear(2, 2)
+    state, kinds = {"model": model, "step": 0}, {"model": "module", "step": "plain"}
+
+    def held() -> list[int]:
+        return sorted(int(p.name.removeprefix("step-")) for p in tier.dir.iterdir())
+
+    def save(step: int) -> None:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        state["step"] = step
+        tier.save(state, step, kinds)
+        tier.wait()
+
+    tier.dir.mkdir(parents=True)
+    (tier.dir / "step-0").mkdir()          # a save cut short by a crash: no commit record
+    for step in range(1, 6):
+        save(step)
+        assert held() == list(range(max(1, step - 1), step + 1)), step
+    tier.restored(4)
+    assert held() == [4]
+    shutil.copytree(tier.dir / "step-4", tier.dir / "step-2")
+    record = json.loads((tier.dir / "step-2" / "commit.json").read_text())
+    (tier.dir / "step-2" / "commit.json").write_text(json.dumps({**record, "step": 2}))
+    assert [i.step for i in tier.usable()] == [4, 2]
+    save(5)
+    save(6)
+    assert held() == [5, 6]
+    assert [i.step for i in tier.usable()] == [6, 5]
+    tier.close(remove=True)

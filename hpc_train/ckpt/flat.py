@@ -33,15 +33,15 @@ KEY = "flat"                    # the DCP state dict's one entry: {KEY: {dtype n
 def pack(state: dict[str, Any]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any], int]:
     """(what DCP saves: the buffers, on the CPU; the skeleton; their bytes). ``state``: DCP's
     view of the modules and optimizers (:func:`hpc_train.ckpt.common.dcp_state`)."""
+    parts: dict[str, list[torch.Tensor]] = {}
     sizes: dict[str, int] = {}
-    places: list[tuple[torch.Tensor, str, int]] = []
 
     def mark(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             name = _name(obj.dtype)
             offset = sizes.get(name, 0)
             sizes[name] = offset + obj.numel()
-            places.append((obj, name, offset))
+            parts.setdefault(name, []).append(obj.detach().reshape(-1))
             return {MARK: [name, offset, list(obj.shape)]}
         if isinstance(obj, dict):
             return {k: mark(v) for k, v in obj.items()}
@@ -50,9 +50,10 @@ def pack(state: dict[str, Any]) -> tuple[dict[str, dict[str, torch.Tensor]], dic
         return obj      # a plain value (a learning rate, a parameter's name): kept as it is
 
     skeleton = mark(state)
-    buffers = {name: torch.empty(n, dtype=getattr(torch, name)) for name, n in sizes.items()}
-    for t, name, offset in places:
-        buffers[name][offset:offset + t.numel()].view(t.shape).copy_(t.detach())
+    # One copy per dtype, in the places' order, on the CPU (a GPU's tensors come over one by one,
+    # as a copy into a CPU buffer would bring them; Adam's step counts are CPU tensors beside them).
+    buffers = {name: torch.cat(ts if all(t.device.type == "cpu" for t in ts) else [t.cpu() for t in ts])
+               for name, ts in parts.items()}
     return {KEY: buffers}, skeleton, sum(b.numel() * b.element_size() for b in buffers.values())
 
 

@@ -92,6 +92,7 @@ class LocalTier:
         self._pool: ThreadPoolExecutor | None = None
         self._checked_space = False
         self._made = False   # the directories are made at the first save: a run that never saves leaves none
+        self._kept: list[int] | None = None   # steps of the complete items in self.dir, newest first; None: unknown
         self._copies_off: str | None = None
         # Copies: the same on every rank (config and the job's shape only), whatever each
         # node's directory turns out to be: every rank takes part in every exchange.
@@ -199,7 +200,7 @@ class LocalTier:
         if not self._space_ok(nbytes):
             return None
         own = _rank_state(state, kinds)
-        rng = own.pop("rng")   # built fresh for this save (a 625-int list deepcopy would walk)
+        rng = own.pop("rng")   # built fresh for this save: a deep copy would copy it again
         small = copy.deepcopy((own, _app_state(state, kinds)))
         small[0]["rng"] = rng
         small[0][flat.KEY] = skeleton
@@ -255,15 +256,25 @@ class LocalTier:
                                   "torch": torch.__version__, "state": kinds,
                                   "save_seconds": round(time.perf_counter() - t0, 4)},
                            sums=writer.checksums, warn=log.warning, durable=False)
-        self._prune()
+        self._prune(step)
 
-    def _prune(self) -> None:
-        complete = [i for i in self._items() if i.complete]
-        keep = {i.step for i in complete[: self.cfg.local_keep]}
-        newest = complete[0].step if complete else -1
-        for info in self._items():
-            if info.step not in keep and info.step < newest:
-                shutil.rmtree(info.path, ignore_errors=True)
+    def _prune(self, step: int) -> None:
+        """Keep the newest ``local_keep`` complete items. What the directory holds is read once
+        (and again after a restore); from then on this rank's writer is the only one adding to
+        it, so each save adds ``step`` to what is known, without reading every record again."""
+        keep = self.cfg.local_keep
+        if self._kept is None:
+            complete = [i for i in self._items() if i.complete]
+            kept = {i.step for i in complete[:keep]}
+            for info in self._items():
+                if info.step not in kept and info.step < step:
+                    shutil.rmtree(info.path, ignore_errors=True)
+            self._kept = sorted(kept, reverse=True)
+            return
+        self._kept = [step] + [s for s in self._kept if s != step]
+        for old in self._kept[keep:]:
+            shutil.rmtree(self.dir / f"step-{old}", ignore_errors=True)
+        del self._kept[keep:]
 
     def wait(self) -> None:
         """Finish the save in flight; one that failed is one warning and turns the tier off."""
@@ -359,6 +370,7 @@ class LocalTier:
         for info in self._items():
             if info.step > step:
                 shutil.rmtree(info.path, ignore_errors=True)
+        self._kept = None   # read again at the next save: the restore may have fetched an item here
         if self.peers is not None:
             self.peers.restored(step)
         self.last_t, self.last_step = time.monotonic(), step
