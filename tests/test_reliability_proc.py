@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import REPO, children, clean_env, hpc, show, start, write_config
+from ckpt_helpers import REPO, children, clean_env, hpc, metric_lines, show, start, write_config
 
 from hpc_train import rundir
 from hpc_train.ckpt import store as resume
@@ -182,6 +182,43 @@ def test_killing_the_launcher_ends_a_script_and_its_supervisor(tmp_path):
                 os.kill(x, signal.SIGKILL)
         p.kill()
         p.communicate()
+
+
+def test_killing_torchrun_ends_the_workers_of_a_users_loop(tmp_path):
+    """``torchrun train.py`` with a loop through ``hpc_train.init()``: torchrun killed with -9
+    forwards nothing, and its workers, orphaned, would train on holding the run directory. They
+    end with it, as the workers of hpc_train's own launchers do; the run directory is free."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rd = tmp_path / "runs" / "own_loop"
+    # Output to a file: a pipe nobody reads would fill and stall the orphans' logging.
+    err = (tmp_path / "torchrun.err").open("w")
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(port), str(REPO / "tests" / "scripts" / "own_loop.py"), "100000", "0.02"],
+                         cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=err)
+    workers: list[int] = []
+    try:
+        # Past the start-up, whose groups are made through torchrun's store: a kill during it fails
+        # the workers by itself.
+        _wait_for(lambda: (rd / "metrics.jsonl").exists() and len(metric_lines(rd)) >= 30 or p.poll() is not None,
+                  120, "30 steps")
+        assert p.poll() is None, (tmp_path / "torchrun.err").read_text()[-3000:]
+        workers = children(p.pid)
+        assert len(workers) == 2 and rundir.busy(rd) is not None
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        _wait_for(lambda: not any(_alive(w) for w in workers), 10, "the workers to end with torchrun")
+    finally:
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        p.kill()
+        p.wait()
+        err.close()
+    # A killed process shows as a zombie before its last threads have let go of its files.
+    _wait_for(lambda: rundir.busy(rd) is None, 10, "the run directory's lock to be free")
 
 
 # -- 10: a closed stdout does not stop the supervisor draining the script's output -------------------

@@ -117,6 +117,10 @@ def begin(cfg: Config, run_dir: Path, *, own_process: bool, escalate: bool,
     os.environ.update(environment.torchrun_vars(env))
     os.environ[rundir.RUN_DIR_ENV] = str(rd.absolute())
     os.environ[rundir.CONFIG_ENV] = str((rd / rundir.CONFIG).absolute())
+    if env.source == "torchrun" and os.environ.get("TORCHELASTIC_RUN_ID"):
+        # torchrun killed with -9 forwards nothing, and its workers would train on, orphaned,
+        # holding the run directory: they end with it, as the workers of hpc_train's launchers do.
+        watchdog.die_with_launcher()
     if own_process:
         _quiet_thread_os_errors()
         watchdog.enable_stack_dumps(rundir.rank_log(rd, env.rank))

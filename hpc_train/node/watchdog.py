@@ -295,10 +295,8 @@ def die_with_parent() -> Callable[[], None] | None:
     forked it exits, so a worker never outlives a launcher killed with -9 (which can forward
     nothing). Fork from the main thread, which lives as long as the process. None where there
     is no prctl (not Linux). libc is looked up here, in the parent: the child only calls it."""
-    import ctypes
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = _prctl()
+    if prctl is None:
         return None
     parent = os.getpid()
 
@@ -307,6 +305,23 @@ def die_with_parent() -> Callable[[], None] | None:
         if os.getppid() != parent:      # the parent died before the call took effect
             os.kill(os.getpid(), signal.SIGKILL)
     return child
+
+
+def die_with_launcher() -> bool:
+    """The same for this process, started by a launcher that is not hpc_train's (torchrun, whose
+    agent starts its workers from its main thread): SIGKILLed when that launcher dies. True once
+    set. A launcher that died before this call is not detected: its pid is not known here, and a
+    parent of pid 1 may be a live launcher (torchrun as a container's first process)."""
+    prctl = _prctl()
+    return prctl is not None and prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+
+
+def _prctl():
+    import ctypes
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 _PR_SET_PDEATHSIG = 1
