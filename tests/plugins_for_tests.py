@@ -329,7 +329,7 @@ def reports_gc(cfg, env, device):
 # ``HPC_TEST_COUNT_ALLREDUCE=1``
 #     each rank counts the ``torch.distributed.all_reduce`` calls made inside ``run.step_end`` and
 #     writes them to ``allreduce-rank<R>.json`` in the run directory.
-# ``HPC_TEST_LOADER=stateful`` (or ``stateful-gen``: with a ``generator`` of its own)
+# ``HPC_TEST_LOADER=stateful`` (or ``stateful-gen``: with a ``generator`` of its own; ``stateful-workers``: 2 workers)
 #     the data comes from torchdata's ``StatefulDataLoader`` (in ``state``) instead of ``run.loader``.
 # ``HPC_TEST_SAVE_PROBE=1``
 #     ``state["probe"]`` is a :class:`SaveProbe`.
@@ -420,7 +420,9 @@ def claims_loop():
         # "stateful-gen": the loader draws its per-iter() base seed from its own generator, not
         # from torch's global RNG (which hpc_train restores, and the dropout masks come from).
         gen = torch.Generator().manual_seed(7) if os.environ["HPC_TEST_LOADER"] == "stateful-gen" else None
-        loader = StatefulDataLoader(data, batch_size=8, sampler=sampler, drop_last=True, generator=gen)
+        workers = 2 if os.environ["HPC_TEST_LOADER"] == "stateful-workers" else 0
+        loader = StatefulDataLoader(data, batch_size=8, sampler=sampler, drop_last=True, generator=gen,
+                                    num_workers=workers)
     else:
         loader = run.loader(data, batch_size=8, shuffle=True)
     state = {"model": model, "optim": opt, "loader": loader, "step": 0, "epoch": 0}

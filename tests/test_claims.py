@@ -105,30 +105,24 @@ def test_watched_ddp_carries_the_agreement_with_no_collective_of_its_own(tmp_pat
 
 
 # -- a torchdata StatefulDataLoader in state -------------------------------------------------
-STATEFUL_LOADER_BUG = (
-    "bug: a StatefulDataLoader in state does not resume bitwise. Each iter() of a (Stateful)DataLoader "
-    "without a generator draws its base seed from torch's global RNG; hpc_train restores the RNG states "
-    "saved at the stop, then the resumed loop's iter() draws again (the uninterrupted run drew once, at "
-    "the epoch's start), so every later dropout mask shifts. The same loop with generator= passed to the "
-    "loader resumes bitwise (the test beside this one)")
-
-
-@pytest.mark.parametrize("loader", [
-    pytest.param("stateful", marks=pytest.mark.xfail(strict=True, reason=STATEFUL_LOADER_BUG)),
-    "stateful-gen"])
-def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader):
+@pytest.mark.parametrize("loader, stop_at", [("stateful", 4), ("stateful", 9), ("stateful-workers", 9),
+                                             ("stateful-gen", 4)])
+def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader, stop_at):
     """README: state may hold torchdata's StatefulDataLoader, and a stopped run resumes bitwise.
-    Stopped mid-epoch (6 batches per epoch per rank: step 4 is mid-epoch 0) and resumed in fresh
-    processes, the run must end with the weights and losses of one that never stopped.
-    ``stateful``: the README's loop as written; ``stateful-gen``: the loader given its own
-    generator (which isolates the bug above to the global RNG draw)."""
+    Stopped mid-epoch (6 batches per epoch per rank: step 4 is mid-epoch 0, step 9 mid-epoch 1,
+    after a set_epoch) and resumed in fresh processes, the run must end with the weights and
+    losses of one that never stopped. Each iter() of a loader without a generator of its own
+    draws its base seed from torch's global RNG, which the dropout masks come from: the run that
+    never stopped drew it at the epoch's start, before the save, and the resumed loop's iter()
+    must not draw it again. ``stateful-workers``: 2 loader workers (their seeds come from the
+    base seed the loader's state holds); ``stateful-gen``: the loader given its own generator."""
     env = {"HPC_TEST_LOADER": loader}
     ref = tmp_path / "ref"
     p = _fn_run(tmp_path, ref, 12, env=env)
     assert p.returncode == 0, show(p)
     rd = tmp_path / "run"
-    p = _fn_run(tmp_path, rd, 12, env={**env, "HPC_TEST_REQUEST_STOP_AT": "0:4"})
-    assert p.returncode == 128 + signal.SIGTERM and "checkpoint saved at step 4" in p.stderr, show(p)
+    p = _fn_run(tmp_path, rd, 12, env={**env, "HPC_TEST_REQUEST_STOP_AT": f"0:{stop_at}"})
+    assert p.returncode == 128 + signal.SIGTERM and f"checkpoint saved at step {stop_at}" in p.stderr, show(p)
     p = _fn_run(tmp_path, rd, 12, env=env)
     assert p.returncode == 0, show(p)
     assert "resumed from" in (rd / "logs" / "rank-0.log").read_text()

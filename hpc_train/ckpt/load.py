@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -112,6 +113,9 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
             elif kind == "per_rank":
                 state[k].load_state_dict(mine["objects"][k])
         set_rng_state(mine["rng"])
+        for k, kind in kinds.items():
+            if kind in ("per_rank", "stateful"):
+                _no_draw_at_next_iter(state[k])
         return info.record
     # Another world size: per-rank RNG streams do not carry over; loaders continue after the
     # same number of samples where they know how (hpc_train.node.loader.ShardedLoader), else
@@ -134,3 +138,27 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
             log.warning("state[%r] cannot continue at world size %d from a checkpoint saved at %s; it "
                         "starts from its beginning", k, world_size, saved)
     return info.record
+
+
+def _no_draw_at_next_iter(loader: Any) -> None:
+    """A restored StatefulDataLoader's next iterator leaves torch's RNG as it found it. Each
+    iterator draws its base seed from torch's global RNG (without a ``generator`` of the
+    loader's own); the run that never stopped drew it at the epoch's start, before the save,
+    and the restored RNG state is the one after it: drawn again by the resumed loop's
+    ``iter()``, it would shift every later random number (dropout masks). The loader's own state
+    holds what the draw would give (its base seed), so the draw is undone, once. Hazard: this
+    wraps torchdata's own ``_get_iterator`` (every iterator comes from it, ``state_dict()``'s
+    too) on the instance; a torchdata release that renames it leaves the draw in place, which
+    ``tests/test_claims.py`` catches."""
+    if not type(loader).__module__.startswith("torchdata.") or not callable(getattr(loader, "_get_iterator", None)):
+        return
+    make = loader._get_iterator
+
+    def once():
+        del loader._get_iterator       # the class's own from now on
+        rng = torch.get_rng_state()
+        try:
+            return make()
+        finally:
+            torch.set_rng_state(rng)
+    loader._get_iterator = once
