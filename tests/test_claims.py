@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -105,9 +106,30 @@ def test_watched_ddp_carries_the_agreement_with_no_collective_of_its_own(tmp_pat
 
 
 # -- a torchdata StatefulDataLoader in state -------------------------------------------------
-@pytest.mark.parametrize("loader, stop_at", [("stateful", 4), ("stateful", 9), ("stateful-workers", 9),
-                                             ("stateful-gen", 4)])
-def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader, stop_at):
+def _own_run(tmp_path: Path, rd: Path, steps: int, how: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The same loop as ``run --fn`` runs it, as a user's own file under plain ``python`` (one
+    process) or ``torchrun`` (2), its config passed to ``hpc_train.init()``."""
+    cfg = write_config(tmp_path / "own.yaml", {"train": {"max_steps": steps}, "checkpoint": {"every_steps": 0},
+                                               "run_dir": str(rd)})
+    main = tmp_path / "main.py"
+    main.write_text("import sys\nimport hpc_train\nfrom tests.plugins_for_tests import claims_loop\n"
+                    "hpc_train.init(sys.argv[1])\nclaims_loop()\n")
+    if how == "python":
+        cmd = [sys.executable, str(main), str(cfg)]
+    else:
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               str(main), str(cfg)]
+    return subprocess.run(cmd, cwd=tmp_path, env=clean_env(**env), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("loader, stop_at, how", [("stateful", 4, "run --fn"), ("stateful", 9, "run --fn"),
+                                                  ("stateful-workers", 9, "run --fn"), ("stateful-gen", 4, "run --fn"),
+                                                  ("stateful", 9, "python"), ("stateful", 9, "torchrun")])
+def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader, stop_at, how):
     """README: state may hold torchdata's StatefulDataLoader, and a stopped run resumes bitwise.
     Stopped mid-epoch (6 batches per epoch per rank: step 4 is mid-epoch 0, step 9 mid-epoch 1,
     after a set_epoch) and resumed in fresh processes, the run must end with the weights and
@@ -115,15 +137,23 @@ def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader, stop_at)
     draws its base seed from torch's global RNG, which the dropout masks come from: the run that
     never stopped drew it at the epoch's start, before the save, and the resumed loop's iter()
     must not draw it again. ``stateful-workers``: 2 loader workers (their seeds come from the
-    base seed the loader's state holds); ``stateful-gen``: the loader given its own generator."""
+    base seed the loader's state holds); ``stateful-gen``: the loader given its own generator.
+    The same under plain ``python`` (one process: one epoch is 12 steps, step 9 mid-epoch 0)
+    and ``torchrun``, the loop in a file of the user's own."""
     env = {"HPC_TEST_LOADER": loader}
+
+    def go(rd: Path, **more: str) -> subprocess.CompletedProcess:
+        if how == "run --fn":
+            return _fn_run(tmp_path, rd, 12, env={**env, **more})
+        return _own_run(tmp_path, rd, 12, how, {**env, **more})
     ref = tmp_path / "ref"
-    p = _fn_run(tmp_path, ref, 12, env=env)
+    p = go(ref)
     assert p.returncode == 0, show(p)
     rd = tmp_path / "run"
-    p = _fn_run(tmp_path, rd, 12, env={**env, "HPC_TEST_REQUEST_STOP_AT": f"0:{stop_at}"})
-    assert p.returncode == 128 + signal.SIGTERM and f"checkpoint saved at step {stop_at}" in p.stderr, show(p)
-    p = _fn_run(tmp_path, rd, 12, env=env)
+    p = go(rd, HPC_TEST_REQUEST_STOP_AT=f"0:{stop_at}")
+    assert re.search(rf"checkpoint saved (by \w+ )?at step {stop_at}\b", p.stderr), show(p)
+    assert p.returncode == (128 + signal.SIGTERM if how == "run --fn" else p.returncode), show(p)
+    p = go(rd)
     assert p.returncode == 0, show(p)
     assert "resumed from" in (rd / "logs" / "rank-0.log").read_text()
     ref_losses, got = train_losses(ref), train_losses(rd)
