@@ -25,7 +25,7 @@ run: $(STAMP)
 # needed) and stop it when done; with CI=true they must run, not skip.
 test: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra --durations=20 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -211,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= warmup < steps - 1:
         ap.error("need 1 <= warmup < steps - 1")
 
+    # The local tier runs right after "checkpoints off" in each rep: the two are compared rep by
+    # rep too (paired), and a pair of neighbouring runs shares the machine's state of the moment.
     variants = {"hand": "hand-written DDP loop", "hpc": "hpc_train, checkpoints off",
+                "hpc_local": "hpc_train, node-local tier every 10 steps",
                 "hpc_ckpt": "hpc_train, async checkpoint every 10 steps",
-                "hpc_nostrag": "hpc_train, checkpoints and stragglers off",
-                "hpc_local": "hpc_train, node-local tier every 10 steps"}
+                "hpc_nostrag": "hpc_train, checkpoints and stragglers off"}
     reps = Reps()
     print(f"ConvNet, synthetic 1x28x28, batch {BATCH}/rank x {WORLD} ranks (gloo, 1 thread/rank), Adam; "
           f"{steps} steps per run, rate over steps {warmup + 1}-{steps}; {args.reps} interleaved repetitions",
@@ -265,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     rl = ratio(med["hpc_local"], med["hpc"])
     print(f"node-local tier every 10 steps / checkpoints off, the same trainer: {rl}"
           + (f" (target >= 0.97: {'met' if float(rl) >= 0.97 else 'NOT met'})" if rl != "n/a" else ""))
+    pairs = [a[0] / b[0] for r in range(1, args.reps + 1)
+             if (a := reps.get("hpc_local", r)) and (b := reps.get("hpc", r))]
+    if pairs:
+        paired = statistics.median(pairs)
+        print(f"the same, paired (each rep's local-tier run over the run before it, checkpoints off; median of "
+              f"{len(pairs)}: {', '.join(f'{x:.3f}' for x in pairs)}): {paired:.3f} (target >= 0.97: "
+              f"{'met' if paired >= 0.97 else 'NOT met'})")
     inside = {k: reps.median(k, lambda v: v[2]) for k in ("hpc_local", "hpc")}
     if None not in inside.values():
         print(f"node-local tier every 10 steps, within each run (the mean step over the mean of the steps 3-9 after "

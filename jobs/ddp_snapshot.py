@@ -13,6 +13,7 @@ the job is requeued, and the next run resumes from its snapshot.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -95,6 +96,10 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         print(f"trained epochs {first_epoch}-{args.epochs - 1} in {time.perf_counter() - started:.3f} s", flush=True)
+    # The DDP wrapper goes before its process group: its reducer holds the group, and a gloo
+    # group freed after destroy_process_group(), at interpreter exit, can hang or abort the process.
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
 
 

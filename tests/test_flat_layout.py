@@ -1,10 +1,10 @@
-"""The local tier's flat layout (hpc_train.ckpt.flat): a rank's tensors as one buffer per dtype,
-and a skeleton that says where each lies. Through a real DCP save and load on disk (the writer
-and reader every local item goes through), any nesting of tensors and plain values comes back
-bitwise, in the live state's own tensors; a state that no longer matches, or a damaged
-skeleton, is a CheckpointError naming the place, never a partial load. A real local item of a
-crashed run holds a few DCP items (not one per tensor) and the same weights as the shared
-checkpoint of its step."""
+"""The local tier's layout (hpc_train.ckpt.flat): a rank's tensors as one raw file per dtype, and
+a skeleton that says where each lies. Through the real write and read on disk (the ones every
+local item goes through, checksums included), any nesting of tensors and plain values comes back
+bitwise; a module and an optimizer (a fresh one, with no state yet) resume bitwise; a state that
+no longer matches, or a damaged skeleton or buffer file, is a CheckpointError naming the place,
+never a partial load. A real local item of a crashed run holds one file per dtype and the same
+weights as the shared checkpoint of its step."""
 
 from __future__ import annotations
 
@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpc_train.ckpt import flat
-from hpc_train.ckpt.crc import ChecksummingWriter
-from hpc_train.ckpt.safe import SafePlanner, SafeReader
+from hpc_train.ckpt.checksum import CRC32C, Checks
 from hpc_train.errors import CheckpointError
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool, torch.uint8]
@@ -56,18 +54,6 @@ def states(draw, depth: int = 0):
     return out
 
 
-def _like(obj):
-    """The same nesting, every tensor a fresh one of its shape and dtype (the live state a load
-    fills), every plain value different."""
-    if isinstance(obj, torch.Tensor):
-        return torch.zeros_like(obj, memory_format=torch.contiguous_format)
-    if isinstance(obj, dict):
-        return {k: _like(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_like(v) for v in obj)
-    return "changed"
-
-
 def _equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
@@ -78,31 +64,29 @@ def _equal(a, b) -> bool:
     return a == b or (a != a and b != b)
 
 
-def _round_trip(state: dict, target, where: Path):
-    """pack, a DCP save and the skeleton through torch.save (weights_only on the way back), then
-    a DCP load into buffers the skeleton sizes, and fill."""
-    saved, skeleton, nbytes = flat.pack(state)
-    assert nbytes == sum(b.numel() * b.element_size() for b in saved[flat.KEY].values())
+def _save(state: dict, where: Path):
+    """pack and write, as the local tier's writer does; the skeleton through torch.save and back
+    with weights_only, as rank-R.pt carries it. Returns (skeleton, the item's checks, buffers)."""
+    buffers, skeleton, nbytes = flat.pack(state)
+    assert nbytes == sum(b.numel() * b.element_size() for b in buffers.values())
     where.mkdir()
-    dcp.save(saved, storage_writer=ChecksummingWriter(str(where), thread_count=1, sync_files=False), no_dist=True)
+    sums = flat.write(where, buffers)
+    assert sorted(sums) == sorted(flat.file_name(n) for n in buffers)
     buf = io.BytesIO()
     torch.save(skeleton, buf)
     skeleton = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    buffers = flat.empty_buffers(skeleton)
-    if buffers[flat.KEY]:
-        dcp.load(buffers, storage_reader=SafeReader(str(where)), planner=SafePlanner(), no_dist=True)
-    return flat.fill(target, skeleton, buffers), saved
+    return skeleton, Checks(where, {"checksums": {"algorithm": CRC32C, "files": sums}}), buffers
 
 
 @settings(max_examples=40, deadline=None)
 @given(state=states())
-def test_any_state_comes_back_bitwise_into_the_live_tensors(tmp_path_factory, state):
-    target = _like(state)
-    live = list(_tensors(target))
-    out, saved = _round_trip(state, target, tmp_path_factory.mktemp("item") / "step-1")
-    assert _equal(state, out)
-    assert [id(t) for t in _tensors(out)] == [id(t) for t in live]     # filled in place, as DCP loads
-    assert sorted(saved[flat.KEY]) == sorted({str(t.dtype).removeprefix("torch.") for t in _tensors(state)})
+def test_any_state_comes_back_bitwise(tmp_path_factory, state):
+    where = tmp_path_factory.mktemp("item") / "step-1"
+    skeleton, checks, saved = _save(state, where)
+    back = flat._unpack(skeleton, flat.read(where, skeleton, checks), clone=True)
+    assert _equal(state, back)
+    assert sorted(saved) == sorted({str(t.dtype).removeprefix("torch.") for t in _tensors(state)})
+    flat._check(state, skeleton, saved, "state")     # the state it came from fits its own skeleton
 
 
 def _tensors(obj):
@@ -116,49 +100,98 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def test_an_optimizer_s_state_resumes_bitwise(tmp_path):
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+KINDS = {"model": "module", "optim": "optimizer"}
 
-    from hpc_train.ckpt.common import dcp_state
+
+def _trained(lr: float = 1e-3):
     from hpc_train.trainer.models import ConvNet
-    torch.manual_seed(0)
-    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    m = ConvNet()
+    return m, torch.optim.AdamW(m.parameters(), lr=lr)
 
-    def step(m, o):
-        o.zero_grad()
-        torch.nn.functional.cross_entropy(m(x), y).backward()
-        o.step()
-    kinds = {"model": "module", "optim": "optimizer"}
-    m1 = ConvNet()
-    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-3)
-    step(m1, o1)
-    m2 = ConvNet()
-    o2 = torch.optim.AdamW(m2.parameters(), lr=0.5, weight_decay=0.3)
-    target, _ = _round_trip(dcp_state({"model": m1, "optim": o1}, kinds), dcp_state({"model": m2, "optim": o2}, kinds),
-                            tmp_path / "step-1")
-    set_model_state_dict(m2, target["model"])
-    set_optimizer_state_dict(m2, o2, target["optim"])
+
+def _step(m, o, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+    o.zero_grad()
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    o.step()
+
+
+def _restore_from(state: dict, target: dict, where: Path) -> None:
+    skeleton, checks, _ = _save(flat.views(state, KINDS), where)
+    flat.restore(target, KINDS, skeleton, flat.read(where, skeleton, checks))
+
+
+def test_a_module_and_a_fresh_optimizer_resume_bitwise(tmp_path):
+    """The restore's usual case: a new process whose optimizer has taken no step (no state)."""
+    torch.manual_seed(0)
+    m1, o1 = _trained()
+    _step(m1, o1, 1)
+    m2, o2 = _trained(lr=0.5)
+    o2.param_groups[0]["weight_decay"] = 0.3
+    assert not o2.state
+    _restore_from({"model": m1, "optim": o1}, {"model": m2, "optim": o2}, tmp_path / "step-1")
     assert o2.param_groups[0]["lr"] == 1e-3 and o2.param_groups[0]["weight_decay"] == 0.01
-    for _ in range(3):
-        step(m1, o1)
-        step(m2, o2)
+    for s in range(2, 5):
+        _step(m1, o1, s)
+        _step(m2, o2, s)
     assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    assert all(torch.equal(o1.state[p]["exp_avg_sq"], o2.state[q]["exp_avg_sq"])
+               for p, q in zip(m1.parameters(), m2.parameters()))
+    # The optimizer holds tensors of its own, not views of the buffer it was read from.
+    bases = {o2.state[p]["exp_avg"].untyped_storage().data_ptr() for p in m2.parameters()}
+    assert len(bases) == len(list(m2.parameters()))
+
+
+def _grown(m):
+    m.fc = torch.nn.Linear(m.fc.in_features, 11)
+
+
+def _renamed(m):
+    m.head = m.fc
+    del m.fc
+
+
+def _regrouped(o):
+    o.param_groups[1:] = []
+    g = o.param_groups[0]
+    o.add_param_group({"params": [g["params"].pop()]})
 
 
 @pytest.mark.parametrize("change, named", [
-    (lambda s: s["model"].__setitem__("w", torch.zeros(3, 5)), "size mismatch for model.w"),
-    (lambda s: s["model"].pop("b"), "entries under model differ"),
-    (lambda s: s.__setitem__("groups", [{"lr": 1.0}]), "groups has 2 entries"),
-    (lambda s: s["model"].__setitem__("b", 3), "model.b is a tensor in the checkpoint"),
+    (lambda m, o: _grown(m), r"size mismatch for model\.fc\.weight: the checkpoint holds float32 \[10, "),
+    (lambda m, o: _renamed(m), r"entries under model differ from the state.s \(fc\.bias, fc\.weight, head\.bias\)"),
+    (lambda m, o: _regrouped(o), r"optim: the checkpoint's parameter groups hold \[\d+\] parameters, the "
+                                 r"optimizer's now \[\d+, 1\]"),
 ])
 def test_a_state_that_changed_is_named_and_nothing_is_loaded(tmp_path, change, named):
-    state = {"a": torch.full((3,), 7.0), "model": {"w": torch.ones(4, 5), "b": torch.ones(5)},
-             "groups": [{"lr": 0.1}, {"lr": 0.2}]}
-    target = _like(state)
-    change(target)
+    m1, o1 = _trained()
+    _step(m1, o1, 1)
+    m2, o2 = _trained(lr=0.5)
+    change(m2, o2)
+    before = {k: v.clone() for k, v in m2.state_dict().items()}
     with pytest.raises(CheckpointError, match=named):
-        _round_trip(state, target, tmp_path / "step-1")
-    assert torch.equal(target["a"], torch.zeros(3)), "a place checked before the mismatch was written"
+        _restore_from({"model": m1, "optim": o1}, {"model": m2, "optim": o2}, tmp_path / "step-1")
+    assert all(torch.equal(before[k], v) for k, v in m2.state_dict().items()), "written before the mismatch was found"
+    assert not o2.state and o2.param_groups[0]["lr"] == 0.5
+
+
+def test_a_damaged_or_short_buffer_file_is_named(tmp_path):
+    state = {"w": torch.arange(1000, dtype=torch.float32), "n": torch.tensor(3)}
+    skeleton, checks, _ = _save(state, tmp_path / "step-1")
+    f = tmp_path / "step-1" / "flat-float32.bin"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"flat-float32\.bin fails its crc32c check"):
+        flat.read(tmp_path / "step-1", skeleton, checks)
+    f.write_bytes(bytes(raw[:-4]))
+    with pytest.raises(CheckpointError, match=r"flat-float32\.bin does not hold the 4000 bytes"):
+        flat.read(tmp_path / "step-1", skeleton, checks)
+    f.unlink()
+    f.symlink_to(tmp_path / "elsewhere.bin")
+    with pytest.raises(CheckpointError, match=r"cannot read flat-float32\.bin: is a symlink"):
+        flat.read(tmp_path / "step-1", skeleton, checks)
 
 
 @pytest.mark.parametrize("skeleton, named", [
@@ -166,16 +199,18 @@ def test_a_state_that_changed_is_named_and_nothing_is_loaded(tmp_path, change, n
     ({"w": {flat.MARK: ["float32", -1, [2]]}}, "bad entry"),
     ({"w": {flat.MARK: ["float32", 0, "2"]}}, "bad entry"),
     ({"w": {flat.MARK: ["float32", 0]}}, "bad entry"),
+    ({"w": {flat.MARK: ["_C", 0, [2]]}}, "not a torch dtype"),
+    ({"w": {flat.MARK: ["float32", True, [2]]}}, "bad entry"),
 ])
-def test_a_damaged_skeleton_is_a_checkpoint_error(skeleton, named):
+def test_a_damaged_skeleton_is_a_checkpoint_error(tmp_path, skeleton, named):
     with pytest.raises(CheckpointError, match=named):
-        flat.empty_buffers(skeleton)
+        flat.read(tmp_path, skeleton, Checks(tmp_path, {}))
 
 
-def test_a_crashed_run_s_local_item_holds_few_items_and_the_shared_tier_s_weights(tmp_path):
+def test_a_crashed_run_s_local_item_holds_a_file_per_dtype_and_the_shared_tier_s_weights(tmp_path):
     """The README's loop under torchrun, rank 1 killed at step 7 with no restart: rank 0's local
-    item of step 6 has its tensors in one DCP item per dtype, and its model's weights are those of
-    the shared checkpoint of step 6."""
+    item of step 6 has its tensors in one file per dtype, and its model's weights are those of the
+    shared checkpoint of step 6."""
     from test_checkpoint_local import _torchrun
 
     from ckpt_helpers import export, show
@@ -186,14 +221,31 @@ def test_a_crashed_run_s_local_item_holds_few_items_and_the_shared_tier_s_weight
     item = next((tmp_path / "shm").glob("**/rank-0/step-6"))
     record = json.loads((item / "commit.json").read_text())
     assert record["layout"] == flat.LAYOUT and record["tier"] == "local", record
-    meta = SafeReader(str(item)).read_metadata()
-    assert sorted(meta.state_dict_metadata) == ["flat.float32"], sorted(meta.state_dict_metadata)   # Adam's step too
+    assert sorted(record["files"]) == ["app.pt", "flat-float32.bin", "rank-0.pt"], record["files"]   # Adam's step too
+    info = store.inspect(item)
+    assert info.complete, info.problem
     skeleton = safe_torch_load(item / "rank-0.pt", None)[flat.KEY]
-    buffers = flat.empty_buffers(skeleton)
-    dcp.load(buffers, storage_reader=SafeReader(str(item)), planner=SafePlanner(), no_dist=True)
-    model = flat.fill({k: torch.empty(m[flat.MARK][2]) for k, m in skeleton["model"].items()}, skeleton["model"],
-                      buffers)
+    model = flat._unpack(skeleton["model"], flat.read(item, skeleton, Checks(item, record)), clone=True)
     shared = export(tmp_path / "runs" / "loop", tmp_path / "m.pt", step=6)
     assert store.inspect(tmp_path / "runs" / "loop" / "checkpoints" / "step-6").complete
-    assert sorted(model) == sorted(shared)
-    assert [k for k in model if not torch.equal(model[k], shared[k])] == []
+    names = {k.removeprefix("module."): v for k, v in model.items()}   # the DDP wrapper's own state dict
+    assert sorted(names) == sorted(shared)
+    assert [k for k in names if not torch.equal(names[k], shared[k])] == []
+
+
+def test_an_item_of_this_layout_is_complete_with_its_rank_file_and_no_dcp_files(tmp_path):
+    """store.inspect judges a local item by its own layout: no DCP .metadata, but the rank file
+    that holds the skeleton; a layout that is not a name makes the record unreadable."""
+    from hpc_train.ckpt import store
+    item = tmp_path / "step-3"
+    _, _, buffers = _save({"w": torch.ones(4)}, item)
+    (item / "rank-0.pt").write_bytes(b"x")
+    store.write_commit(item, {"step": 3, "layout": flat.LAYOUT}, durable=False)
+    assert store.inspect(item).complete, store.inspect(item).problem
+    (item / "rank-0.pt").unlink()
+    store.write_commit(item, {"step": 3, "layout": flat.LAYOUT}, durable=False)
+    assert store.inspect(item).problem == "commit record lists no rank-R.pt, which holds the item's layout"
+    store.write_commit(item, {"step": 3}, durable=False)
+    assert store.inspect(item).problem == "commit record lists no DCP .metadata"
+    store.write_commit(item, {"step": 3, "layout": ["buffers"]}, durable=False)
+    assert store.inspect(item).problem == "commit record is unreadable: layout is ['buffers'], not a name"

@@ -52,40 +52,23 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
     changed), checking the checksums of every byte read. Returns the commit record. A
     :class:`CheckpointError` says why the checkpoint does not load; the caller names it.
     ``single``: one rank's own item of the local tier (:mod:`hpc_train.ckpt.local`), read by
-    this rank alone."""
+    this rank alone, with no collective."""
     info = resume.inspect(path)
     if not info.complete:
         raise CheckpointError(f"not complete: {info.problem}")
     kinds = kinds or state_mod.kinds(state)
     check_keys(path, info.record.get("state"), kinds)
     checks = Checks(path, info.record)
-    dcp_st = dcp_state(state, kinds)
     saved = info.record.get("world_size")
-    flat_item = info.record.get("layout") == flat.LAYOUT
-    if flat_item and saved != world_size:
-        raise CheckpointError(f"a local item loads at the world size it was saved at ({saved}), not {world_size}")
-    # A flat item's layout is in this rank's own file, read first: the item is this rank's alone,
-    # loaded with no collective. A shared checkpoint's is read after DCP's load, a collective that
-    # every rank must enter even when its own file is bad (it then fails after it, with the rest).
-    mine, skeleton = None, None
-    if flat_item:
-        mine = safe_torch_load(rank_file(path, rank), checks)
-        skeleton = mine.get(flat.KEY) if isinstance(mine, dict) else None
-        if skeleton is None:
-            raise CheckpointError(f"{rank_file(path, rank).name} holds no layout for this item's tensors")
-    if dcp_st or flat_item:
-        no_dist = single or not (dist.is_initialized() and world_size > 1)
+    mine = None
+    if single or "layout" in info.record:
+        mine = _load_local_item(state, kinds, path, info.record, rank, world_size, checks)
+    elif dcp_st := dcp_state(state, kinds):
+        no_dist = not (dist.is_initialized() and world_size > 1)
         try:
             reader = SafeReader(str(path), checks)
             reader.read_metadata()    # checked before DCP reads it (see SafeReader)
-            if flat_item:
-                buffers = flat.empty_buffers(skeleton)
-                if buffers[flat.KEY]:
-                    dcp.load(buffers, storage_reader=reader, planner=SafePlanner(), process_group=None,
-                             no_dist=no_dist)
-                flat.fill(dcp_st, skeleton, buffers)
-            else:
-                dcp.load(dcp_st, storage_reader=reader, planner=SafePlanner(), process_group=None, no_dist=no_dist)
+            dcp.load(dcp_st, storage_reader=reader, planner=SafePlanner(), process_group=None, no_dist=no_dist)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
             # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
             w = why(e)
@@ -103,6 +86,8 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
             state[k].load_state_dict(app[k])
     if saved == world_size:
         if mine is None:
+            # A shared checkpoint's own file is read after DCP's load, a collective that every
+            # rank must enter even when its own file is bad (it then fails after it, with the rest).
             mine = safe_torch_load(rank_file(path, rank), checks)
         # This rank's own plain values; a checkpoint from before they were saved per rank has
         # only rank 0's, in app.pt.
@@ -138,6 +123,25 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
             log.warning("state[%r] cannot continue at world size %d from a checkpoint saved at %s; it "
                         "starts from its beginning", k, world_size, saved)
     return info.record
+
+
+def _load_local_item(state: dict[str, Any], kinds: dict[str, str], path: Path, record: dict[str, Any], rank: int,
+                     world_size: int, checks: Checks) -> dict[str, Any]:
+    """A local item's modules and optimizers (:mod:`hpc_train.ckpt.flat`); returns this rank's
+    own file, which holds the item's layout."""
+    layout, saved = record.get("layout"), record.get("world_size")
+    if layout != flat.LAYOUT:
+        raise CheckpointError(f"a local item of layout {str(layout)[:40]!r}, which this version of hpc_train does not "
+                              f"read (it reads {flat.LAYOUT!r})")
+    if saved != world_size or record.get("rank") != rank:
+        raise CheckpointError(f"a local item loads for the rank and world size it was saved at (rank "
+                              f"{record.get('rank')} of {saved}), not rank {rank} of {world_size}")
+    mine = safe_torch_load(rank_file(path, rank), checks)
+    skeleton = mine.get(flat.KEY) if isinstance(mine, dict) else None
+    if skeleton is None:
+        raise CheckpointError(f"{rank_file(path, rank).name} holds no layout for this item's tensors")
+    flat.restore(state, kinds, skeleton, flat.read(path, skeleton, checks))
+    return mine
 
 
 def _no_draw_at_next_iter(loader: Any) -> None:

@@ -1,13 +1,14 @@
 """The node-local checkpoint tier: each rank's whole state, often, in its own node's memory or disk.
 
-A local item is a step directory of the shared tier's format (DCP items, ``app.pt``,
-``rank-R.pt``, ``commit.json`` with CRC32C checksums computed as written: the same writer, commit
-record and checks), but written by one rank alone, with DCP's ``no_dist``: a normal DCP save keeps
-each replicated tensor once across ranks, so one rank's files would not hold what that rank
-needs. Here every rank writes everything it holds (under DDP the whole replica), so a rank
-restores from its own node alone. Its tensors travel as one buffer per dtype
-(:mod:`hpc_train.ckpt.flat`, the record's ``"layout": "flat"``): an item is never resharded, and
-a DCP item per tensor cost most of a save's CPU. Where it lives: :mod:`hpc_train.config_local`.
+A local item is a step directory checked as the shared tier's are (``app.pt``, ``rank-R.pt``,
+``commit.json`` with sizes and CRC32C checksums computed as written: the same commit record,
+checks and fallbacks), written by one rank alone: a shared checkpoint keeps each replicated
+tensor once across ranks, so one rank's files would not hold what that rank needs. Here every
+rank writes everything it holds (under DDP the whole replica), so a rank restores from its own
+node alone. An item is never resharded, so its tensors are not DCP items: one raw buffer file
+per dtype (:mod:`hpc_train.ckpt.flat`, the record's ``"layout": "buffers"``), which costs a
+small fraction of the CPU that DCP's view, planner and writer took per save. Where it lives:
+:mod:`hpc_train.config_local`.
 
 Saves are asynchronous: the training thread copies the state (one copy, as the shared tier's
 stager does) and a thread of this tier's writes and commits it; one save in flight; the newest
@@ -47,13 +48,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from hpc_train import config_local
 from hpc_train.ckpt import flat, peer, store, tiers
-from hpc_train.ckpt.common import APP_FILE, dcp_state, rank_file, why
-from hpc_train.ckpt.crc import ChecksummingWriter, save_pt
+from hpc_train.ckpt.checksum import CRC32C
+from hpc_train.ckpt.common import APP_FILE, rank_file, why
+from hpc_train.ckpt.crc import save_pt
 from hpc_train.ckpt.save import _app_state, _rank_state
 from hpc_train.config import Config
 
@@ -65,7 +65,7 @@ _LISTED = 16   # steps per rank in the restore's all-gather (local_keep is small
 @dataclass
 class _Staged:
     """A save's copy of this rank's state, taken on the training thread, for the writer thread."""
-    state: dict[str, Any]             # what DCP writes: the flat buffers (modules, optimizers), on the CPU
+    state: dict[str, torch.Tensor]    # the flat buffers (modules, optimizers), on the CPU, by dtype
     small: tuple[Any, Any]            # (rank-R.pt's, app.pt's) contents
     path: Path                        # the step directory it goes to
     kinds: dict[str, str]
@@ -196,7 +196,7 @@ class LocalTier:
                    for p in state[k].parameters()):
             return None   # the next step's agreement names the divergence; never keep a NaN locally
         t0 = time.perf_counter()
-        staged, skeleton, nbytes = flat.pack(dcp_state(state, kinds))
+        staged, skeleton, nbytes = flat.pack(flat.views(state, kinds))
         if not self._space_ok(nbytes):
             return None
         own = _rank_state(state, kinds)
@@ -236,26 +236,21 @@ class LocalTier:
         if error is not None:
             raise error
 
-    def _write(self, staged: dict[str, Any], small: tuple[Any, Any], path: Path, step: int,
+    def _write(self, staged: dict[str, torch.Tensor], small: tuple[Any, Any], path: Path, step: int,
                kinds: dict[str, str], t0: float) -> None:
         if os.path.lexists(path):
             shutil.rmtree(path)   # a leftover of a save cut short, or of a future a restore went back from
-        path.mkdir(mode=0o700)
-        own = {rank_file(path, self.rank).name: save_pt(small[0], rank_file(path, self.rank)),
-               APP_FILE: save_pt(small[1], path / APP_FILE)}
         # Not niced as the shared tier's writer is: the next step's agreement waits for this
         # write, so a lower priority only moves the wait, and a niced thread holding the GIL
         # stalls the training thread behind the other ranks' (an inversion).
-        writer = ChecksummingWriter(str(path), own=own, thread_count=1, sync_files=False)
-        try:
-            dcp.save(staged, storage_writer=writer, no_dist=True)
-        except CheckpointException as e:   # a BaseException: make it an ordinary one for wait()
-            raise OSError(why(e)) from None
+        path.mkdir(mode=0o700)
+        own = {rank_file(path, self.rank).name: save_pt(small[0], rank_file(path, self.rank)),
+               APP_FILE: save_pt(small[1], path / APP_FILE), **flat.write(path, staged)}
         store.write_commit(path, {**self.record, "step": step, "time": time.time(), "world_size": self.world,
                                   "rank": self.rank, "tier": TIER, "layout": flat.LAYOUT, "run_dir": str(self.run_dir),
                                   "torch": torch.__version__, "state": kinds,
                                   "save_seconds": round(time.perf_counter() - t0, 4)},
-                           sums=writer.checksums, warn=log.warning, durable=False)
+                           sums={"algorithm": CRC32C, "files": own}, warn=log.warning, durable=False)
         self._prune(step)
 
     def _prune(self, step: int) -> None:

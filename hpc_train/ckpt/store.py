@@ -48,6 +48,7 @@ from hpc_train.records import result
 
 COMMIT = rundir.COMMIT
 METADATA = ".metadata"
+BUFFERS = "buffers"   # a local item's "layout" (hpc_train.ckpt.flat): raw files and a rank-R.pt, no DCP files
 CHECKSUM = checksum.CRC32C  # the algorithm write_commit records; see hpc_train.ckpt.checksum
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -103,6 +104,8 @@ def _record_problem(record: Any, step: int) -> str | None:
             return f"lists {name!r}, which is not a file of this directory"
     if "world_size" in record and not (_is_int(record["world_size"]) and record["world_size"] > 0):
         return f"world_size is {record['world_size']!r}"
+    if "layout" in record and not isinstance(record["layout"], str):
+        return f"layout is {record['layout']!r}, not a name"
     if "state" in record and not isinstance(record["state"], dict):
         return "state is not a mapping"
     differs = record.get("differs_by_rank", [])
@@ -133,7 +136,11 @@ def inspect(path: Path) -> CkptInfo:
     if why is not None:
         return CkptInfo(step, path, False, f"commit record is unreadable: {why}")
     files = record["files"]
-    if METADATA not in files:
+    if record.get("layout") == BUFFERS:
+        if not any(re.fullmatch(r"rank-\d+\.pt", name) for name in files):
+            return CkptInfo(step, path, False, "commit record lists no rank-R.pt, which holds the item's layout",
+                            record)
+    elif METADATA not in files:
         return CkptInfo(step, path, False, "commit record lists no DCP .metadata", record)
     for name, size in files.items():
         try:

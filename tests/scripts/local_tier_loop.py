@@ -66,12 +66,12 @@ def main(steps: int, kill_at: int = 0) -> dict:
                     got = sorted(int(p.name[5:]) for p in source.glob("step-*") if p.name[5:].isdigit())
                     (run.run_dir / f"copies-{run.rank}.json").write_text(json.dumps(got))
                     if run.rank == 0 and os.environ.get("LOCAL_TIER_FLIP_COPY"):   # rank 1's newest, as held here
-                        _flip(next((source / f"step-{got[-1]}").glob("*.distcp")))
+                        _flip(max((source / f"step-{got[-1]}").glob("flat-*.bin"), key=lambda f: f.stat().st_size))
                 if run.rank == 1:
                     if os.environ.get("LOCAL_TIER_LOSE_NODE"):   # the node's storage is gone, as with a lost node
                         shutil.rmtree(run._local.node)
                     if os.environ.get("LOCAL_TIER_FLIP"):   # one bit of the newest item's tensor data
-                        _flip(next((run._local.dir / f"step-{held[-1]}").glob("*.distcp")))
+                        _flip(max((run._local.dir / f"step-{held[-1]}").glob("flat-*.bin"), key=lambda f: f.stat().st_size))
                 if run.rank == 1 or os.environ.get("LOCAL_TIER_LOSE_NODE"):
                     # With two torchrun agents (tests/test_checkpoint_peer.py) every rank ends here, as
                     # srun's --kill-on-bad-exit ends every task of a step: each agent counts one failure,

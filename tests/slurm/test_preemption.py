@@ -496,7 +496,7 @@ def test_a_lost_node_fetches_from_the_buddys_copy_then_a_damaged_item_falls_back
             items = sorted(p for p in spare_dir.glob("step-*") if (p / "commit.json").exists())
             assert items, list(spare_dir.iterdir())
             for item in items:
-                data = max((f for f in item.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
+                data = max(item.glob("flat-*.bin"), key=lambda f: f.stat().st_size)
                 raw = bytearray(data.read_bytes())
                 raw[len(raw) // 2] ^= 0x10
                 data.write_bytes(bytes(raw))
