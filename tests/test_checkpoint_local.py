@@ -366,7 +366,7 @@ def test_the_newest_items_are_kept_across_saves_and_a_restore(tmp_path):
     state, kinds = {"model": model, "step": 0}, {"model": "module", "step": "plain"}
 
     def held() -> list[int]:
-        return sorted(int(p.name.removeprefix("step-")) for p in tier.dir.iterdir())
+        return sorted(int(p.name.removeprefix("step-")) for p in tier.dir.iterdir() if p.name.startswith("step-"))
 
     def save(step: int) -> None:
         with torch.no_grad():
@@ -391,3 +391,70 @@ def test_the_newest_items_are_kept_across_saves_and_a_restore(tmp_path):
     assert held() == [5, 6]
     assert [i.step for i in tier.usable()] == [6, 5]
     tier.close(remove=True)
+
+
+def test_a_pruned_item_s_files_are_overwritten_by_the_next_save_never_through_a_link(tmp_path):
+    """local_keep 2: the item pruned after a save loses its commit record and becomes the spare;
+    the next save writes its buffer file in place (the same inode: tmpfs pages reused), drops
+    whatever else the spare holds, replaces a symlink planted there instead of writing through
+    it, and commits an item whose checksums verify and whose weights load bitwise."""
+    from hpc_train import config as config_mod
+    from hpc_train.ckpt import load, store
+    from hpc_train.ckpt.local import SPARE, LocalTier
+    base, run_dir = tmp_path / "shm", tmp_path / "run"
+    base.mkdir()
+    run_dir.mkdir()
+    cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
+    tier = LocalTier(cfg, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
+    model = torch.nn.Linear(64, 64)
+    state, kinds = {"model": model, "step": 0}, {"model": "module", "step": "plain"}
+
+    def save(step: int) -> Path:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        state["step"] = step
+        tier.save(state, step, kinds)
+        tier.wait()
+        return tier.dir / f"step-{step}"
+
+    for step in (1, 2):
+        save(step)
+    assert not (tier.dir / SPARE).exists()
+    save(3)
+    spare = tier.dir / SPARE
+    assert spare.is_dir() and not (spare / "commit.json").exists() and not (tier.dir / "step-1").exists()
+    inode = (spare / "flat-float32.bin").stat().st_ino
+    item = save(4)
+    assert (item / "flat-float32.bin").stat().st_ino == inode
+    assert sorted(p.name for p in tier.dir.iterdir()) == [SPARE, "step-3", "step-4"]
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"keep me")
+    (spare / "stray").write_bytes(b"x")
+    (spare / "flat-float32.bin").unlink()
+    (spare / "flat-float32.bin").symlink_to(elsewhere)
+    item = save(5)
+    assert elsewhere.read_bytes() == b"keep me"
+    assert not (item / "flat-float32.bin").is_symlink()
+    assert sorted(p.name for p in item.iterdir()) == ["app.pt", "commit.json", "flat-float32.bin", "rank-0.pt"]
+    info = store.inspect(item)
+    assert info.complete and store.verify_checksums(info) is None, info.problem
+    weights = model.weight.detach().clone()
+    fresh = {"model": torch.nn.Linear(64, 64), "step": 0}
+    load.load(fresh, item, 0, 1, kinds, single=True)
+    assert torch.equal(fresh["model"].weight, weights) and fresh["step"] == 5
+    tier.close(remove=True)
+    assert not tier.dir.exists()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_a_parameter_that_is_not_finite_is_found_and_a_large_finite_one_is_not(bad):
+    """The local tier's check before a save: a sum that is not finite is checked element by
+    element, so an overflow of finite values is not taken for a divergence."""
+    from hpc_train.ckpt.local import _finite
+    big = [torch.full((1000,), 3e38), torch.ones(3, dtype=torch.bfloat16), torch.ones(2, dtype=torch.complex64)]
+    assert _finite(big)
+    assert _finite([])
+    for i in range(3):
+        params = [p.clone() for p in big]
+        params[i].view(-1)[-1] = float(bad) if not params[i].is_complex() else complex(float(bad), 0)
+        assert not _finite(params), (bad, i)

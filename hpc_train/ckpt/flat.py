@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -81,17 +82,24 @@ def _bytes(buf: torch.Tensor) -> memoryview:
 
 
 def write(path: Path, buffers: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Each buffer as ``path/flat-<dtype>.bin`` (a new file in a new directory: never through a
-    link); returns {file name: CRC32C of what was written}."""
+    """Each buffer as ``path/flat-<dtype>.bin``, over the file of that name already there (a
+    recycled item's: its pages are reused) or a new one, never through a link; returns {file
+    name: CRC32C of what was written}."""
     sums = {}
     for name, buf in buffers.items():
-        data = _bytes(buf)
-        fd = os.open(path / file_name(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        with os.fdopen(fd, "wb") as f:
-            if f.write(data) != data.nbytes:
-                raise OSError(f"short write to {file_name(name)}")
-        sums[file_name(name)] = hexdigest(extend(0, data))
+        data, fname = _bytes(buf), file_name(name)
+        fd = os.open(path / fname, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{fname} is not a regular file")
+            os.set_blocking(fd, True)
+            done = 0
+            while done < data.nbytes:     # one write() moves at most about 2 GiB
+                done += os.write(fd, data[done:])
+            os.ftruncate(fd, data.nbytes)
+        finally:
+            os.close(fd)
+        sums[fname] = hexdigest(extend(0, data))
     return sums
 
 
