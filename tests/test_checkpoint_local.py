@@ -450,7 +450,7 @@ def test_a_pruned_item_s_files_are_overwritten_by_the_next_save_never_through_a_
 def test_a_parameter_that_is_not_finite_is_found_and_a_large_finite_one_is_not(bad):
     """The local tier's check before a save: a sum that is not finite is checked element by
     element, so an overflow of finite values is not taken for a divergence."""
-    from hpc_train.ckpt.local import _finite
+    from hpc_train.ckpt.flat import finite as _finite
     big = [torch.full((1000,), 3e38), torch.ones(3, dtype=torch.bfloat16), torch.ones(2, dtype=torch.complex64)]
     assert _finite(big)
     assert _finite([])

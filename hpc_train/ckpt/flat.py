@@ -19,12 +19,17 @@ the live objects before it writes anything (a model that changed is a :class:`Ch
 naming the first place that differs), then hands each object its state dict back through its
 own ``load_state_dict``. Hazard: the buffer files are in the machine's byte order; an item is
 read only on the node that wrote it or a peer of the same job.
+
+Also here, what a save does with an item's files: the item it prunes becomes the rank's spare,
+whose buffer files the next save overwrites (:func:`retire`, :func:`reuse_spare`), and the
+check that the parameters are finite before a save (:func:`finite`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -103,6 +108,36 @@ def write(path: Path, buffers: dict[str, torch.Tensor]) -> dict[str, str]:
     return sums
 
 
+def reuse_spare(spare: Path, path: Path, keep: set[str]) -> None:
+    """Make the item directory ``path`` from ``spare`` (a pruned item, see :func:`retire`) when
+    there is one, keeping only its buffer files named in ``keep``, which :func:`write` then
+    overwrites in place: a file's memory pages are reused instead of freed and allocated again,
+    which in tmpfs costs more than the copy itself for a large state. Else a new directory."""
+    if os.path.isdir(spare) and not os.path.islink(spare):
+        try:
+            os.rename(spare, path)
+            for entry in os.scandir(path):
+                if entry.name not in keep or not entry.is_file(follow_symlinks=False):
+                    (shutil.rmtree if entry.is_dir(follow_symlinks=False) else os.unlink)(entry.path)
+            return
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o700)
+
+
+def retire(item: Path, spare: Path) -> None:
+    """A pruned item: its commit record goes first (it is never complete again), then it becomes
+    ``spare``, which the next save overwrites, or goes when there is a spare already."""
+    try:
+        if not os.path.lexists(spare) and item.is_dir() and not item.is_symlink():
+            (item / store.COMMIT).unlink(missing_ok=True)
+            item.rename(spare)
+            return
+    except OSError:
+        pass
+    shutil.rmtree(item, ignore_errors=True)
+
+
 def read(path: Path, skeleton: Any, checks: Checks) -> dict[str, torch.Tensor]:
     """The buffers the skeleton's marks need, read from ``path`` into fresh tensors and checked
     against the commit record's checksums, in the buffers they were read into."""
@@ -124,6 +159,21 @@ def read(path: Path, skeleton: Any, checks: Checks) -> dict[str, torch.Tensor]:
         checks.data(fname, data)
         out[name] = buf
     return out
+
+
+def finite(params: list[torch.Tensor]) -> bool:
+    """Whether every parameter is finite. A sum is NaN or infinite if any element is (they
+    propagate through every partial sum), and one vectorized pass costs a fraction of
+    ``isfinite().all()``; only a sum that is not finite (a NaN, or an overflow of finite values)
+    is checked element by element. One synchronization on a GPU, not one per parameter."""
+    if not params:
+        return True
+    parts = [torch.view_as_real(p.detach()) if p.is_complex() else p.detach() for p in params]
+    sums = torch.stack([p.sum(dtype=torch.float32 if p.element_size() < 4 else None).float().reshape(())
+                        for p in parts])
+    if math.isfinite(float(sums.sum())):
+        return True
+    return all(bool(p.detach().isfinite().all()) for p in params)
 
 
 def restore(state: Mapping[str, Any], kinds: dict[str, str], skeleton: Any, buffers: dict[str, torch.Tensor]) -> None:

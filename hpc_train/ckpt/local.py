@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import shutil
 import time
@@ -60,7 +59,7 @@ from hpc_train.config import Config
 
 log = logging.getLogger("hpc_train")
 TIER = tiers.TIER   # the commit record's "tier"
-SPARE = "spare"     # a rank's pruned item, its files overwritten by the next save (LocalTier._retire)
+SPARE = "spare"     # a rank's pruned item, its files overwritten by the next save (flat.retire)
 _LISTED = 16   # steps per rank in the restore's all-gather (local_keep is small; the newest count)
 
 
@@ -72,21 +71,6 @@ class _Staged:
     path: Path                        # the step directory it goes to
     kinds: dict[str, str]
     t0: float                         # when the copy began (save_seconds in the commit record)
-
-
-def _finite(params: list[torch.Tensor]) -> bool:
-    """Whether every parameter is finite. A sum is NaN or infinite if any element is (they
-    propagate through every partial sum), and one vectorized pass costs a fraction of
-    ``isfinite().all()``; only a sum that is not finite (a NaN, or an overflow of finite values)
-    is checked element by element. One synchronization on a GPU, not one per parameter."""
-    if not params:
-        return True
-    parts = [torch.view_as_real(p.detach()) if p.is_complex() else p.detach() for p in params]
-    sums = torch.stack([p.sum(dtype=torch.float32 if p.element_size() < 4 else None).float().reshape(())
-                        for p in parts])
-    if math.isfinite(float(sums.sum())):
-        return True
-    return all(bool(p.detach().isfinite().all()) for p in params)
 
 
 class LocalTier:
@@ -209,7 +193,7 @@ class LocalTier:
 
     def _staged(self, state: Mapping[str, Any], step: int, kinds: dict[str, str]) -> _Staged | None:
         """The blocking copy of this rank's state, or None when it is not saved this time."""
-        if not _finite([p for k, kind in kinds.items() if kind == "module" for p in state[k].parameters()]):
+        if not flat.finite([p for k, kind in kinds.items() if kind == "module" for p in state[k].parameters()]):
             return None   # the next step's agreement names the divergence; never keep a NaN locally
         t0 = time.perf_counter()
         staged, skeleton, nbytes = flat.pack(flat.views(state, kinds))
@@ -259,7 +243,7 @@ class LocalTier:
         # Not niced as the shared tier's writer is: the next step's agreement waits for this
         # write, so a lower priority only moves the wait, and a niced thread holding the GIL
         # stalls the training thread behind the other ranks' (an inversion).
-        self._reuse_spare(path, {flat.file_name(name) for name in staged})
+        flat.reuse_spare(self.dir / SPARE, path, {flat.file_name(name) for name in staged})
         own = {rank_file(path, self.rank).name: save_pt(small[0], rank_file(path, self.rank)),
                APP_FILE: save_pt(small[1], path / APP_FILE), **flat.write(path, staged)}
         store.write_commit(path, {**self.record, "step": step, "time": time.time(), "world_size": self.world,
@@ -268,36 +252,6 @@ class LocalTier:
                                   "save_seconds": round(time.perf_counter() - t0, 4)},
                            sums={"algorithm": CRC32C, "files": own}, warn=log.warning, durable=False)
         self._prune(step)
-
-    def _reuse_spare(self, path: Path, keep: set[str]) -> None:
-        """Make ``path`` from the spare (a pruned item, see :meth:`_retire`) when there is one,
-        keeping only its buffer files named in ``keep``, which the write then overwrites in place:
-        a file's memory pages are reused instead of freed and allocated again, which in tmpfs
-        costs more than the copy itself for a large state. Else a new directory."""
-        spare = self.dir / SPARE
-        if os.path.isdir(spare) and not os.path.islink(spare):
-            try:
-                os.rename(spare, path)
-                for entry in os.scandir(path):
-                    if entry.name not in keep or not entry.is_file(follow_symlinks=False):
-                        (shutil.rmtree if entry.is_dir(follow_symlinks=False) else os.unlink)(entry.path)
-                return
-            except OSError:
-                shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(mode=0o700)
-
-    def _retire(self, item: Path) -> None:
-        """A pruned item: its commit record goes first (it is never complete again), then it
-        becomes the spare that the next save overwrites, or goes when there is one already."""
-        spare = self.dir / SPARE
-        try:
-            if not os.path.lexists(spare) and item.is_dir() and not item.is_symlink():
-                (item / store.COMMIT).unlink(missing_ok=True)
-                item.rename(spare)
-                return
-        except OSError:
-            pass
-        shutil.rmtree(item, ignore_errors=True)
 
     def _prune(self, step: int) -> None:
         """Keep the newest ``local_keep`` complete items. What the directory holds is read once
@@ -309,12 +263,12 @@ class LocalTier:
             kept = {i.step for i in complete[:keep]}
             for info in self._items():
                 if info.step not in kept and info.step < step:
-                    self._retire(info.path)
+                    flat.retire(info.path, self.dir / SPARE)
             self._kept = sorted(kept, reverse=True)
             return
         self._kept = [step] + [s for s in self._kept if s != step]
         for old in self._kept[keep:]:
-            self._retire(self.dir / f"step-{old}")
+            flat.retire(self.dir / f"step-{old}", self.dir / SPARE)
         del self._kept[keep:]
 
     def wait(self) -> None:
