@@ -276,7 +276,7 @@ def test_export_refuses_checkpoints_dir_existing_file_and_bad_out(copy, tmp_path
 
 
 # -- acceptance: random bit flips (ROUNDS), each followed by a resume ------------------------
-ROUNDS = 6
+ROUNDS = 4
 
 
 def test_random_bit_flips_never_resume_from_damage_nor_delete_intact(tmp_path):

@@ -126,13 +126,16 @@ def _own_run(tmp_path: Path, rd: Path, steps: int, how: str, env: dict[str, str]
     return subprocess.run(cmd, cwd=tmp_path, env=clean_env(**env), capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("loader, stop_at, how", [("stateful", 4, "run --fn"), ("stateful", 9, "run --fn"),
-                                                  ("stateful-workers", 9, "run --fn"), ("stateful-gen", 4, "run --fn"),
-                                                  ("stateful", 9, "python"), ("stateful", 9, "torchrun")])
-def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader, stop_at, how):
+@pytest.mark.parametrize("loader, stops, how", [
+    pytest.param(loader, stops, how, id=f"{loader}-{'-'.join(map(str, stops))}-{how}")
+    for loader, stops, how in [("stateful", (4, 9), "run --fn"), ("stateful-workers", (9,), "run --fn"),
+                               ("stateful-gen", (4,), "run --fn"), ("stateful", (9,), "python"),
+                               ("stateful", (9,), "torchrun")]])
+def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader, stops, how):
     """README: state may hold torchdata's StatefulDataLoader, and a stopped run resumes bitwise.
     Stopped mid-epoch (6 batches per epoch per rank: step 4 is mid-epoch 0, step 9 mid-epoch 1,
-    after a set_epoch) and resumed in fresh processes, the run must end with the weights and
+    after a set_epoch; the first case stops at both, resuming in between) and resumed in fresh
+    processes, the run must end with the weights and
     losses of one that never stopped. Each iter() of a loader without a generator of its own
     draws its base seed from torch's global RNG, which the dropout masks come from: the run that
     never stopped drew it at the epoch's start, before the save, and the resumed loop's iter()
@@ -150,12 +153,13 @@ def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader, stop_at,
     p = go(ref)
     assert p.returncode == 0, show(p)
     rd = tmp_path / "run"
-    p = go(rd, HPC_TEST_REQUEST_STOP_AT=f"0:{stop_at}")
-    assert re.search(rf"checkpoint saved (by \w+ )?at step {stop_at}\b", p.stderr), show(p)
-    assert p.returncode == (128 + signal.SIGTERM if how == "run --fn" else p.returncode), show(p)
+    for stop_at in stops:
+        p = go(rd, HPC_TEST_REQUEST_STOP_AT=f"0:{stop_at}")
+        assert re.search(rf"checkpoint saved (by \w+ )?at step {stop_at}\b", p.stderr), show(p)
+        assert p.returncode == (128 + signal.SIGTERM if how == "run --fn" else p.returncode), show(p)
     p = go(rd)
     assert p.returncode == 0, show(p)
-    assert "resumed from" in (rd / "logs" / "rank-0.log").read_text()
+    assert (rd / "logs" / "rank-0.log").read_text().count("resumed from") == len(stops)
     ref_losses, got = train_losses(ref), train_losses(rd)
     assert len(ref_losses) == 12 and got == ref_losses
     assert_same_weights(export(ref, tmp_path / "a.pt"), export(rd, tmp_path / "b.pt"))

@@ -252,22 +252,29 @@ def query_tasks(ids: list[str]) -> Answer:
     return answer
 
 
+def poll_delay(held_s: float, max_delay: float = 30.0) -> float:
+    """Seconds until the next poll, once the states have held for ``held_s``: a tenth of that,
+    between 1 s and ``max_delay``. A change is then seen within about a tenth of the state's age
+    (a 10-s job's end within a second; doubling the interval could lag as long as the job had
+    run), and a long job costs the controller one query per ``max_delay``."""
+    return min(max_delay, max(1.0, held_s / 10))
+
+
 def wait(ids: list[str], on_change=None, max_delay: float = 30.0) -> dict[str, JobState]:
-    """Block until every job has a final state, and return them; the poll interval doubles from
-    1 s up to ``max_delay``. ``on_change`` gets the :class:`Answer` whenever a state changes or
+    """Block until every job has a final state, and return them; polls follow :func:`poll_delay`
+    from the last change. ``on_change`` gets the :class:`Answer` whenever a state changes or
     a query stops or starts answering. A job left unknown by a failed query is not final, nor is
     a PREEMPTED one (it is being requeued): polling goes on."""
-    delay, last = 1.0, None
+    changed, last = time.monotonic(), None
     while True:
         answer = query(ids)
         snapshot = ({k: v.state for k, v in answer.states.items()}, answer.failed)
         if snapshot != last:
-            delay = 1.0
+            changed = time.monotonic()
             if on_change:
                 on_change(answer)
             last = snapshot
         done = {i: st for i in ids if (st := answer.final(i)) is not None and st.state.split()[0] != "PREEMPTED"}
         if ids and all(i in done for i in ids):
             return done
-        time.sleep(delay)
-        delay = min(max_delay, delay * 2)
+        time.sleep(poll_delay(time.monotonic() - changed, max_delay))

@@ -16,7 +16,7 @@ from slurm_helpers import ROOT, assert_bitwise, damage_shared_tier, export, loss
 
 pytestmark = pytest.mark.slurm
 
-# Long enough to be preempted twice: ~3000 steps of the ConvNet on digits, about 40 s of steps.
+# Long enough to be preempted twice: 800 steps of the ConvNet on digits, about 25 s of steps.
 BASE = [str(ROOT / "jobs" / "digits.yaml"), "--set", "train.log_every=1", "--set", "log.tensorboard=false",
         "--set", "train.eval=false", "--set", "log.progress=lines"]
 
@@ -45,7 +45,7 @@ def _stop_resume_pairs(run_dir: Path) -> list[tuple[int, int]]:
 
 # One uninterrupted local run (2 processes, the same config) that every job below must equal:
 # the checkpoint interval and dist.timeout_s, which they vary, do not change the arithmetic.
-STEPS = 1500
+STEPS = 800
 REF_FLAGS = ["--set", f"train.max_steps={STEPS}", "--set", "checkpoint.every_steps=500"]
 
 
@@ -69,7 +69,7 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, reference, tmp
     from hpc_train.config import load
     cfg = load(BASE[0], BASE[2::2] + flags[1::2], {"job": {"nodes": 2, "partition": "low"}})
     job = hpc_train.submit(cfg, run_dir=run_dir)
-    preempt_at = [300, 1200]
+    preempt_at = [200, 560]
     for i, step in enumerate(preempt_at):
         slurm.wait_state(job.job_id, {"RUNNING"}, 120)
         _wait_steps(run_dir, step, 180)
@@ -268,7 +268,7 @@ def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_
     rank's stack reaches its log through Slurm, and a new step in the same allocation resumes and
     completes."""
     run_dir = tmp_path / "job"
-    job, pid = _two_node_job_at(slurm, run_dir, 900, 600, 300, "--set", "dist.hang_floor_s=5",
+    job, pid = _two_node_job_at(slurm, run_dir, 600, 600, 300, "--set", "dist.hang_floor_s=5",
                                 "--set", "job.standby=true")
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -278,7 +278,7 @@ def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_
             os.kill(pid, signal.SIGCONT)
     print(f"SIGSTOP of rank 1 on Slurm: the step ended and restarted in place {took:.1f} s later")
     assert took < 30, f"the step kept running {took:.0f}s after a rank froze"   # a hang bound
-    log0 = _assert_recovered_in_place(slurm, job, run_dir, 900)
+    log0 = _assert_recovered_in_place(slurm, job, run_dir, 600)
     assert re.search(rf"rank 1 \(pid {pid} on \S+\) hung: no heartbeat for \d+s while rank 0 waited \d+s in "
                      r"step \d+ \(limit 5s", log0), log0[-3000:]
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
@@ -319,7 +319,7 @@ def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, ref
     right after the kill, and a read would fail its checksums and say so."""
     run_dir = tmp_path / "job"
     timeout_s = 30
-    job, pid = _two_node_job_at(slurm, run_dir, STEPS, timeout_s, 500, "--set", "job.spare_nodes=1",
+    job, pid = _two_node_job_at(slurm, run_dir, STEPS, timeout_s, 300, "--set", "job.spare_nodes=1",
                                 "--set", "checkpoint.local_every_steps=5", "--set", "job.standby=true")
     crashed = _host_of(run_dir, 1)
     seen = _steps(run_dir)    # rank 0 logs a step after its step_end, which rank 1 had joined
@@ -332,7 +332,7 @@ def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, ref
     assert took < timeout_s + 30, f"the step kept running {took:.0f}s after a rank died"
     first = json.loads((run_dir / "requeue.json").read_text())["in_place"][0]
     assert first["lost"] == [] and crashed not in first["nodes"] and len(first["nodes"]) == 2, first
-    _wait_steps_after(run_dir, first["time"], first["step"] + 300, 180)
+    _wait_steps_after(run_dir, first["time"], first["step"] + 200, 180)
     logs = "".join((run_dir / "logs" / f"rank-{r}.log").read_text() for r in (0, 1))
     resumed = re.findall(r"resumed from step (\d+) \(\S+\), saved at world size 2 \((local|shared) tier", logs)
     assert [t for _, t in resumed] == ["local", "local"] and "skipping" not in logs, logs[-3000:]
@@ -368,7 +368,7 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
     next step runs on the node left at world size 1, resharded from the checkpoint, and the
     steps continue after it. With job.standby: the standby, one of whose tasks was on the lost
     node, is dismissed (other nodes), and the new step starts afresh."""
-    run_dir, script, steps = tmp_path / "job", tmp_path / "job.sbatch", 900
+    run_dir, script, steps = tmp_path / "job", tmp_path / "job.sbatch", 600
     r = slurm.cli("sbatch", *BASE, "--set", f"train.max_steps={steps}", "--set", "checkpoint.every_steps=200",
                   "--set", "dist.timeout_s=30", "--set", "job.min_nodes=1", "--nodes", "2", "--run-dir", run_dir,
                   "--set", "job.standby=true", "-o", script)

@@ -9,8 +9,9 @@ Each stop lands on an epoch boundary, the case Lightning resumes bitwise (docs/l
 while a pause file exists, every rank waits at an epoch's end until a stop comes (the script's
 ``--pause-file``). Run 1 waits after epoch 0 and is preempted there. Run 2 resumes, waits after
 epoch 1 until its time limit's signal, and the file is then removed: run 3 trains to the end,
-long before its own limit. The job is submitted with ``--time 3 --signal-lead 30`` (a stop earlier
-than 90 s into a run is a preemption's: run 1's is); once run 2 waits after epoch 1, its limit is
+long before its own limit. The job is submitted with ``--time 4 --signal-lead 30`` (a stop earlier
+than 150 s into a run is a preemption's: run 1's is, though the `high` job that preempts it waits
+for the uninterrupted run beside it to end); once run 2 waits after epoch 1, its limit is
 lowered to 2 minutes (``scontrol update``), so its signal comes 60-90 s into it, as slurmctld
 checks every 30 s, not 120-150 s: a stop with 90 s or less left is the time limit's.
 """
@@ -48,25 +49,19 @@ def _wait_for(what: str, done, timeout: float) -> None:
         time.sleep(0.3)
 
 
-@pytest.fixture(scope="module")
-def slurm_reference(cluster, tmp_path_factory):
-    """The same script and arguments on the cluster, never stopped: what the stopped job must equal."""
+def test_lightning_script_preempted_then_timed_out_is_requeued_once_each_and_bitwise(slurm, tmp_path):
     import torch
-    d = tmp_path_factory.mktemp("lightning-ref")
-    r = cluster.cli("submit", "--script", SCRIPT, "--nodes", "2", "--time", "10", "--run-dir", d / "run", "--wait",
-                    *_args(d), timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout
-    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
-    assert [x["State"] for x in cluster.sacct(job)] == ["COMPLETED"], cluster.sacct(job)
-    return torch.load(d / "final.pt", weights_only=True)
-
-
-def test_lightning_script_preempted_then_timed_out_is_requeued_once_each_and_bitwise(slurm, slurm_reference,
-                                                                                       tmp_path):
-    import torch
+    # What the stopped job must equal: the same script and arguments on the cluster, never
+    # stopped. It runs beside the job, in the `high` partition: nothing preempts it, and the
+    # `high` job that preempts the job waits for it to end (it asks for every node).
+    ref = tmp_path / "ref"
+    r = slurm.cli("submit", "--script", SCRIPT, "--nodes", "2", "--partition", "high", "--time", "10",
+                  "--run-dir", ref / "run", *_args(ref))
+    assert r.returncode == 0, r.stderr
+    ref_job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     run_dir, pause, ckpts = tmp_path / "job", tmp_path / "pause", tmp_path / "ld" / "checkpoints"
     pause.touch()
-    r = slurm.cli("submit", "--script", SCRIPT, "--nodes", "2", "--partition", "low", "--time", "3",
+    r = slurm.cli("submit", "--script", SCRIPT, "--nodes", "2", "--partition", "low", "--time", "4",
                   "--signal-lead", "30", "--run-dir", run_dir, *_args(tmp_path, "--pause-file", pause))
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
@@ -96,7 +91,9 @@ def test_lightning_script_preempted_then_timed_out_is_requeued_once_each_and_bit
     assert "ended before the epoch ended" not in log0                     # both resumes at an epoch boundary
     assert "epoch 0 ended" in log0 and log0.count("epoch 1 ended") == 1 and f"epoch {EPOCHS - 1} ended" in log0
     assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
-    assert_bitwise(slurm_reference, torch.load(tmp_path / "final.pt", weights_only=True))
+    assert slurm.wait_done(ref_job, 300) == "COMPLETED" and len(slurm.sacct(ref_job)) == 1, slurm.sacct(ref_job)
+    assert_bitwise(torch.load(ref / "final.pt", weights_only=True),
+                   torch.load(tmp_path / "final.pt", weights_only=True))
 
 
 def test_lightning_s_own_requeue_at_the_time_limit_is_counted_as_the_time_limit_s(slurm, tmp_path):

@@ -254,7 +254,7 @@ def test_an_unmodified_script_saves_on_sigterm_when_preempted_and_is_requeued_on
     is requeued exactly once and resumes from that snapshot to the end."""
     script, snap, run_dir = tmp_path / "saves_on_sigterm.py", tmp_path / "snap.json", tmp_path / "job"
     script.write_text(SAVES_ON_SIGTERM)
-    steps = 600
+    steps = 200     # 15 s of steps left after step 50: the preemption lands within a second or two
     r = slurm.cli("submit", "--script", script, "--nodes", "2", "--partition", "low", "--run-dir", run_dir,
                   "--", snap, str(steps))
     assert r.returncode == 0, r.stderr
@@ -283,13 +283,20 @@ def test_an_unmodified_script_saves_on_sigterm_when_preempted_and_is_requeued_on
     assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
 
 
-def test_unmodified_array_task_scripts_save_at_each_time_limit_stop(slurm, tmp_path):
-    """Issue 33.1, the srun launcher's time limit, in array tasks: a sweep of two points, one node
-    each, both running at once, each time-limited (1 minute, the signal 20 s ahead; slurmctld's
-    tick moves it by up to 30 s). job.signal (USR2) reaches every process of each task's step, the
-    script included; the script, which has no USR2 handler, is not killed by it: it gets SIGTERM
-    from hpc_train and saves the step it had reached (within one). Each task is requeued as the
-    time limit's, once per stop, only that task, and finishes from its own snapshots."""
+def test_unmodified_scripts_save_at_each_time_limit_stop_in_array_tasks_and_under_torchrun(slurm, tmp_path):
+    """Issue 33.1, a time limit (1 minute, the signal 20 s ahead; slurmctld's tick moves it by up
+    to 30 s) on both launchers at once, as two jobs side by side on the cluster:
+
+    - the srun launcher, in array tasks: a sweep of two points, one node each, both running at
+      once. job.signal (USR2) reaches every process of each task's step, the script included;
+      the script, which has no USR2 handler, is not killed by it: it gets SIGTERM from hpc_train;
+    - the standalone script of `sbatch --launcher torchrun`, submitted with plain sbatch on two
+      nodes: Slurm's TERM reaches torchrun, which passes it to its worker, and the script gets
+      SIGTERM from hpc_train.
+
+    Each script saves the step it had reached (within one). Each stop is requeued as the time
+    limit's (never as a preemption or a failure), once per stop, only that job or task, and each
+    finishes from its own snapshots."""
     script, sweep_dir = tmp_path / "saves_on_sigterm.py", tmp_path / "sweep"
     script.write_text(SAVES_ON_SIGTERM)
     steps = 450
@@ -301,6 +308,12 @@ def test_unmodified_array_task_scripts_save_at_each_time_limit_stop(slurm, tmp_p
     tasks = re.findall(r"submitted array task (\S+):", r.stdout)
     dirs = [Path(d) for d in re.findall(r" -> (.+)$", r.stdout, re.MULTILINE)]
     assert len(tasks) == 2 == len(dirs) and all("_" in t for t in tasks), r.stdout
+    tr_snap, tr_dir, out = tmp_path / "snap.json", tmp_path / "job", tmp_path / "job.sbatch"
+    r = slurm.cli("sbatch", "--script", script, "--launcher", "torchrun", "--nodes", "2", "--time", "1",
+                  "--signal-lead", "20", "--run-dir", tr_dir, "-o", out, "--", tr_snap, str(steps))
+    assert r.returncode == 0, r.stderr
+    tr_job = slurm.run("sbatch", "--parsable", out, check=True).stdout.strip().split(";")[0]
+
     for task, run_dir in zip(tasks, dirs):
         assert slurm.wait_done(task, 600) == "COMPLETED", slurm.sacct(task)
         text = (run_dir / "logs" / "rank-0.log").read_text()
@@ -320,28 +333,12 @@ def test_unmodified_array_task_scripts_save_at_each_time_limit_stop(slurm, tmp_p
         assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
     assert (tmp_path / "snap-0.json").exists() and (tmp_path / "snap-1.json").exists()
 
-
-def test_an_unmodified_script_under_torchrun_saves_at_each_time_limit_stop(slurm, tmp_path):
-    """Issue 33.1, the other path: the standalone script of `sbatch --launcher torchrun`,
-    submitted with plain sbatch, time-limited (1 minute, the signal 20 s ahead; slurmctld's tick
-    moves it by up to 30 s). Slurm's TERM reaches torchrun, which passes it to its worker; the
-    script gets SIGTERM from hpc_train and saves the step it had reached (within one). Each stop
-    is requeued as the time limit's (never as a preemption or a failure), once per stop, and the
-    job finishes from the snapshots."""
-    script, snap, run_dir, out = tmp_path / "saves_on_sigterm.py", tmp_path / "snap.json", tmp_path / "job", \
-        tmp_path / "job.sbatch"
-    script.write_text(SAVES_ON_SIGTERM)
-    steps = 450
-    r = slurm.cli("sbatch", "--script", script, "--launcher", "torchrun", "--nodes", "2", "--time", "1",
-                  "--signal-lead", "20", "--run-dir", run_dir, "-o", out, "--", snap, str(steps))
-    assert r.returncode == 0, r.stderr
-    job = slurm.run("sbatch", "--parsable", out, check=True).stdout.strip().split(";")[0]
-    assert slurm.wait_done(job, 600) == "COMPLETED", slurm.sacct(job)
-    text = (run_dir / "logs" / "rank-0.log").read_text()
+    assert slurm.wait_done(tr_job, 600) == "COMPLETED", slurm.sacct(tr_job)
+    text = (tr_dir / "logs" / "rank-0.log").read_text()
     stops = [tuple(map(int, m)) for m in re.findall(r"SIGTERM came at step (\d+); saved snapshot at step (\d+)", text)]
     assert stops and all(came <= saved <= came + 1 for came, saved in stops), stops
-    runs = slurm.sacct(job)
-    rec = json.loads((run_dir / "requeue.json").read_text())
+    runs = slurm.sacct(tr_job)
+    rec = json.loads((tr_dir / "requeue.json").read_text())
     # A time limit whose signal lands just as a run's script ends ("done" printed, then killed by
     # SIGTERM while the interpreter shuts down, its handler gone) stops that run too: nothing can
     # tell it from a stop mid-step, and the script resumes from its last snapshot. Seen once in a
@@ -351,4 +348,4 @@ def test_an_unmodified_script_under_torchrun_saves_at_each_time_limit_stop(slurm
     assert len(runs) == len(stops) + late + 1 and not rec.get("in_place"), runs      # one requeue per stop
     for _, saved in stops:
         assert f"resumed from snapshot at step {saved}" in text, text[-3000:]
-    assert f"done at step {steps}" in text and (run_dir / "result.json").exists()
+    assert f"done at step {steps}" in text and (tr_dir / "result.json").exists()
