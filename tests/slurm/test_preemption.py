@@ -178,7 +178,7 @@ def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
     """Task 0 preempted: only it is requeued. Task 1's rank killed: it recovers on its own, in
     its allocation, while task 0 is back in the queue."""
     run_dir = tmp_path / "sweep"
-    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=800", "--set", "checkpoint.every_steps=200",
+    r = slurm.cli("submit", *BASE, "--set", "train.max_steps=500", "--set", "checkpoint.every_steps=200",
                   "--nodes", "1", "--run-dir", run_dir, "--sweep", "seed=1,2")
     assert r.returncode == 0, r.stderr
     tasks = re.findall(r"submitted array task (\S+):", r.stdout)
@@ -200,7 +200,7 @@ def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
     assert ev["events"][0]["key"].startswith(tasks[0] + ":") and not ev.get("in_place"), ev
     rec = json.loads((task_dirs[1] / "requeue.json").read_text())
     assert rec["events"] == [] and len(rec["in_place"]) == 1 and rec["in_place"][0]["step"] >= 200, rec
-    assert json.loads((task_dirs[1] / "result.json").read_text())["steps"] == 800
+    assert json.loads((task_dirs[1] / "result.json").read_text())["steps"] == 500
 
 
 def _wait_steps_after(run_dir: Path, since: float, at_least: int, timeout: float) -> None:
