@@ -145,7 +145,6 @@ def test_wait_goes_on_through_a_failed_query(tmp_path, monkeypatch):
     assert _calls(tmp_path) == ["squeue", "sacct"] * 3
 
 
-
 @pytest.mark.parametrize("held,delay", [(0, 1.0), (5, 1.0), (10, 1.0), (25, 2.5), (120, 12.0), (300, 30.0),
                                         (86400, 30.0)])
 def test_polls_follow_a_tenth_of_the_state_s_age(held, delay):
@@ -157,6 +156,7 @@ def test_a_change_is_seen_within_a_tenth_of_its_age_and_never_faster_than_a_seco
     lo, hi = sorted((a, b))
     assert 1.0 <= scheduler.poll_delay(lo) <= scheduler.poll_delay(hi) <= 30.0
     assert scheduler.poll_delay(hi) <= max(1.0, hi / 10)
+
 
 @pytest.fixture
 def sweep_dir(tmp_path: Path) -> Path:

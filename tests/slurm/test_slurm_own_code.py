@@ -283,6 +283,16 @@ def test_an_unmodified_script_saves_on_sigterm_when_preempted_and_is_requeued_on
     assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
 
 
+def _saved_stops(text: str) -> list[tuple[int, int]]:
+    """The (step SIGTERM came at, step saved) of every stop in a SAVES_ON_SIGTERM script's log:
+    at least one, each saved within one step of its signal, and each resumed from by the next run."""
+    stops = [tuple(map(int, m)) for m in re.findall(r"SIGTERM came at step (\d+); saved snapshot at step (\d+)", text)]
+    assert stops and all(came <= saved <= came + 1 for came, saved in stops), stops
+    for _, saved in stops:
+        assert f"resumed from snapshot at step {saved}" in text, text[-3000:]
+    return stops
+
+
 def test_unmodified_scripts_save_at_each_time_limit_stop_in_array_tasks_and_under_torchrun(slurm, tmp_path):
     """Issue 33.1, a time limit (1 minute, the signal 20 s ahead; slurmctld's tick moves it by up
     to 30 s) on both launchers at once, as two jobs side by side on the cluster:
@@ -317,16 +327,12 @@ def test_unmodified_scripts_save_at_each_time_limit_stop_in_array_tasks_and_unde
     for task, run_dir in zip(tasks, dirs):
         assert slurm.wait_done(task, 600) == "COMPLETED", slurm.sacct(task)
         text = (run_dir / "logs" / "rank-0.log").read_text()
-        stops = [tuple(map(int, m)) for m in re.findall(r"SIGTERM came at step (\d+); saved snapshot at step (\d+)",
-                                                        text)]
-        assert stops and all(came <= saved <= came + 1 for came, saved in stops), (task, stops)
+        stops = _saved_stops(text)
         runs = slurm.sacct(task)
         assert len(runs) == len(stops) + 1 and runs[-1]["State"] == "COMPLETED", runs   # one requeue per stop
         rec = json.loads((run_dir / "requeue.json").read_text())
         assert rec["counts"] == {"preemption": 0, "timeout": len(stops), "failure": 0}, (rec, stops)
         assert all(e["key"].startswith(task + ":") for e in rec["events"]) and not rec.get("in_place"), rec
-        for _, saved in stops:
-            assert f"resumed from snapshot at step {saved}" in text, text[-3000:]
         assert f"done at step {steps}" in text, text[-3000:]
         assert "killed by SIGUSR2" not in text and "SIGUSR2 received: passing SIGTERM to the script" in text, \
             text[-3000:]
@@ -335,8 +341,7 @@ def test_unmodified_scripts_save_at_each_time_limit_stop_in_array_tasks_and_unde
 
     assert slurm.wait_done(tr_job, 600) == "COMPLETED", slurm.sacct(tr_job)
     text = (tr_dir / "logs" / "rank-0.log").read_text()
-    stops = [tuple(map(int, m)) for m in re.findall(r"SIGTERM came at step (\d+); saved snapshot at step (\d+)", text)]
-    assert stops and all(came <= saved <= came + 1 for came, saved in stops), stops
+    stops = _saved_stops(text)
     runs = slurm.sacct(tr_job)
     rec = json.loads((tr_dir / "requeue.json").read_text())
     # A time limit whose signal lands just as a run's script ends ("done" printed, then killed by
@@ -346,6 +351,4 @@ def test_unmodified_scripts_save_at_each_time_limit_stop_in_array_tasks_and_unde
     late = text.count(f"done at step {steps}") - 1
     assert rec["counts"] == {"preemption": 0, "timeout": len(stops) + late, "failure": 0}, (rec, stops, late)
     assert len(runs) == len(stops) + late + 1 and not rec.get("in_place"), runs      # one requeue per stop
-    for _, saved in stops:
-        assert f"resumed from snapshot at step {saved}" in text, text[-3000:]
     assert f"done at step {steps}" in text and (tr_dir / "result.json").exists()
