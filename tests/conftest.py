@@ -37,6 +37,22 @@ SMOKE = ("--set", "model.name=linear", "--set", "data.name=synthetic", "--set", 
          "--set", "data.batch_size=16", "--set", "train.max_steps=4", "--set", "log.progress=lines")
 
 
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``make test``'s two workers (pytest-xdist, ``--dist loadfile``) take whole files, so a module
+    fixture (a reference run that several tests compare with) runs once; and all of tests/slurm/ is
+    one unit, so one worker starts the one local cluster and runs every Slurm test on it."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndSlurm(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/slurm/" if path.startswith("tests/slurm/") else path
+
+    return FilesAndSlurm(config, log)
+
+
 @pytest.fixture
 def py() -> str:
     """The interpreter the suite runs under (the project's venv)."""
