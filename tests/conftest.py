@@ -44,6 +44,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
+    assert hasattr(LoadScopeScheduling, "_split_scope"), "pytest-xdist changed how it splits scopes"
 
     class FilesAndSlurm(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
