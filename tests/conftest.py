@@ -38,7 +38,7 @@ SMOKE = ("--set", "model.name=linear", "--set", "data.name=synthetic", "--set", 
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``make test``'s two workers (pytest-xdist, ``--dist loadfile``) take whole files, so a module
+    """``make test TEST_WORKERS=2``'s workers (pytest-xdist, ``--dist loadfile``) take whole files, so a module
     fixture (a reference run that several tests compare with) runs once; and all of tests/slurm/ is
     one unit, so one worker starts the one local cluster and runs every Slurm test on it."""
     if config.getvalue("dist") != "loadfile":
