@@ -336,6 +336,7 @@ def test_a_lost_peer_on_another_node_is_named_at_once_by_the_address_gloo_report
     assert ranks.read(tmp_path, 0)[0].addr == ranks.host_address()
 
 
+@pytest.mark.quiet
 def test_the_hang_watch_names_no_slow_step_save_or_first_step(tmp_path):
     """Issue 32's false alarms, with the floor lowered to 3 s so that it could fire (and issue 31's:
     no straggler is named, at the default ratio and every 50 steps): over 1000
@@ -361,6 +362,7 @@ def test_the_hang_watch_names_no_slow_step_save_or_first_step(tmp_path):
     assert len(warned) <= 2, warned          # once per rank at most
 
 
+@pytest.mark.quiet
 def test_a_rank_slowed_by_half_is_named_as_a_straggler_about_2x_slower(tmp_path):
     """Issue 31: rank 1 of a 2-rank loop (DDP through run.wrap) is stopped half of the time, in
     20 ms slices, by this test (SIGSTOP/SIGCONT: a throttled node, for real). Rank 0 names it,

@@ -392,6 +392,7 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
     assert f"{lost} lost at step {resumed} (world size 2 -> 1" in status, status
 
 
+@pytest.mark.quiet
 def test_a_straggler_s_node_is_swapped_for_the_spare_and_resumes_bitwise(slurm, reference, tmp_path):
     """Issue 31.3: job.spare_nodes=1 (3 nodes allocated, 2 used), job.replace_stragglers=true, a
     10-s window, a gathering every 10 steps. This test stops rank 1 three quarters of the time in
