@@ -56,48 +56,45 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return FilesAndSlurm(config, log)
 
 
+_LOCKS = pytest.StashKey[tuple]()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Under pytest-xdist, a test marked ``quiet`` has the machine's CPUs to itself: it waits for
     the other worker's current test to end, and that worker waits for it. Its setup and teardown
     (a module fixture's too: they run inside the first and last test's protocol) are covered.
     Without workers, every test already runs alone."""
-    turns = _turns(item.config)
-    if turns is None:
+    config = item.config
+    if not hasattr(config, "workerinput") or getattr(config, "cache", None) is None:
         return (yield)
-    with turns(alone=item.get_closest_marker("quiet") is not None):
+    if _LOCKS not in config.stash:
+        where = config.cache.mkdir("hpc_train-turns")
+        config.stash[_LOCKS] = (open(where / "gate", "a"), open(where / "main", "a"))  # held for the session
+    with _turn(*config.stash[_LOCKS], alone=item.get_closest_marker("quiet") is not None):
         return (yield)
 
 
-def _turns(config: pytest.Config):
+@contextlib.contextmanager
+def _turn(gate, main, alone: bool):
     """Two locks shared by the workers (files in pytest's cache directory): every test holds
     ``main`` shared, a quiet test holds it alone. A test first passes ``gate``, which a quiet
     test keeps until it ends, so no other worker's test starts while it waits or runs: a
-    writer-first lock out of flock(2), which has no priority of its own. None: no workers."""
-    if not hasattr(config, "workerinput") or getattr(config, "cache", None) is None:
-        return None
-    if not hasattr(config, "_hpc_turns"):
-        where = config.cache.mkdir("hpc_train-turns")
-        config._hpc_turns = (open(where / "gate", "a"), open(where / "main", "a"))  # held for the session
-
-    @contextlib.contextmanager
-    def turns(alone: bool):
-        gate, main = config._hpc_turns
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(main, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        except BaseException:
+    writer-first lock out of flock(2), which has no priority of its own."""
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(main, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    except BaseException:
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        raise
+    if not alone:
+        fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(main, fcntl.LOCK_UN)
+        if alone:
             fcntl.flock(gate, fcntl.LOCK_UN)
-            raise
-        if not alone:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(main, fcntl.LOCK_UN)
-            if alone:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-    return turns
 
 
 @pytest.fixture

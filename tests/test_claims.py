@@ -138,8 +138,9 @@ def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader, stops, h
     processes, the run must end with the weights and losses of one that never stopped. Each
     iter() of a loader without a generator of its own draws its base seed from torch's global
     RNG, which the dropout masks come from: the run that never stopped drew it at the epoch's
-    start, before the save, and the resumed loop's iter() must not draw it again. ``stateful-workers``: 2 loader workers (their seeds come from the
-    base seed the loader's state holds); ``stateful-gen``: the loader given its own generator.
+    start, before the save, and the resumed loop's iter() must not draw it again.
+    ``stateful-workers``: 2 loader workers (their seeds come from the base seed the loader's
+    state holds); ``stateful-gen``: the loader given its own generator.
     The same under plain ``python`` (one process: one epoch is 12 steps, step 9 mid-epoch 0)
     and ``torchrun``, the loop in a file of the user's own."""
     env = {"HPC_TEST_LOADER": loader}
