@@ -210,3 +210,29 @@ def test_a_bad_script_signal_is_one_line(tmp_path):
     one_line_exit2(hpc("run", "--script", script, "--run-dir", tmp_path / "run", "--set", "train.script_signal=ignore"),
                    "train.script_signal must be one of term, passthrough", "'ignore'")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_stop_that_came_before_the_script_started_does_not_start_it(tmp_path, monkeypatch, caplog):
+    """The job's signal reached the worker while it was still starting (a time limit's signal
+    on a slow start): a script started then could only be killed before it had a handler of its
+    own, so it is not started. The stop is recorded as any stop the script never saw. The stop
+    is recorded the way the worker's handler records a signal; no fault is faked."""
+    from hpc_train import config
+    from hpc_train.launch.supervise import supervise
+    from hpc_train.node import environment
+    from hpc_train.node.stops import StopRequest
+    for k in [k for k in os.environ if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]:
+        monkeypatch.delenv(k)
+    script, rd = tmp_path / "train.py", tmp_path / "run"
+    script.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
+    cfg = config.load(None, [f"train.script={script}"])
+    (rd / "logs" / ".heartbeat").mkdir(parents=True)     # what the worker's session makes first
+    stop = StopRequest()
+    stop._record(signal.SIGUSR2)
+    caplog.set_level("INFO", logger="hpc_train")
+    out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, environment.current(), rd, stop)
+    assert out == {"stopped": True, "exit_code": None}
+    assert not (tmp_path / "started").exists()
+    rec = json.loads((rd / "stopped.json").read_text())
+    assert rec["stop_signal"] == "SIGUSR2" and rec["checkpoint"] is False and rec["steps"] is None, rec
+    assert "SIGUSR2 came before the script started: not starting it" in caplog.text

@@ -106,6 +106,15 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     script = Path(train.script)
     environment.log_placement(env)
     started = time.time()
+    if stop.requested:
+        # The stop came while this process was starting: a script started now could only be
+        # killed before it had its own SIGTERM handler, so it is not started at all.
+        from hpc_train.node.stops import record_stop
+        stop.ignore_further()
+        log.info("%s came before the script started: not starting it", stop.name)
+        record_stop(job, env, rd, stop, step=None, checkpoint=False)
+        watchdog.say_ended(rd, env.rank, "stopped")
+        return {"stopped": True, "exit_code": None}
     cmd = [sys.executable, "-u", str(script), *train.args]
     log.info("running %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
@@ -139,6 +148,7 @@ def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequ
     watch = joined.JoinWatch(proc.pid, env.rank, env.world_size, env.master_addr, env.master_port,
                              joined.warn_after(os.environ))
     forwarded_at: float | None = None
+    launched = time.monotonic()
     next_look = time.monotonic() + LOOK_EVERY_S
     exit_fd = _exit_fd(proc.pid)
     while proc.poll() is None:
@@ -158,7 +168,8 @@ def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequ
             break
         if stop.requested and forwarded_at is None:
             forwarded_at = time.monotonic()
-            log.info("%s received: passing SIGTERM to the script (pid %d)", stop.name, proc.pid)
+            log.info("%s received: passing SIGTERM to the script (pid %d, running for %.1f s)", stop.name,
+                     proc.pid, forwarded_at - launched)
             try:
                 proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:

@@ -293,6 +293,29 @@ def _saved_stops(text: str) -> list[tuple[int, int]]:
     return stops
 
 
+def _one_requeue_per_stop(text: str, steps: int, runs: list[dict[str, str]], run_dir: Path) -> dict:
+    """A time-limit run of SAVES_ON_SIGTERM ended as it should: every run but the last ended at
+    one stop, requeued once as the time limit's, and the last finished. A stop either saved
+    (:func:`_saved_stops`) or came where the script could save nothing, as hpc_train's log says:
+    - as the script ended ("done" printed, then SIGTERM while the interpreter shut down, its
+      handler gone): nothing tells it from a stop mid-step, so the script resumes from its last
+      snapshot. The signal's time follows slurmctld's 30-s tick and a requeue takes a fixed time,
+      so a run that ended at the tick once ends there again: seen twice in a row in a rehearsal;
+    - before the worker had started the script (a slow start): the script is not started.
+    Returns requeue.json."""
+    stops = _saved_stops(text)
+    late = text.count(f"done at step {steps}") - 1
+    early = text.count("came before the script started: not starting it")
+    rec = json.loads((run_dir / "requeue.json").read_text())
+    # What each run said, for a failure's message: the run directory is gone by the time one reads it.
+    said = "\n".join([line for line in text.splitlines() if re.search(r"received|came|stopped|resumed|done at|running",
+                                                                       line)] + [str(r) for r in runs])
+    assert rec["counts"] == {"preemption": 0, "timeout": len(stops) + late + early, "failure": 0}, f"{rec}\n{said}"
+    assert len(runs) == len(stops) + late + early + 1 and runs[-1]["State"] == "COMPLETED", said
+    assert not rec.get("in_place") and f"done at step {steps}" in text and (run_dir / "result.json").exists(), said
+    return rec
+
+
 def test_unmodified_scripts_save_at_each_time_limit_stop_in_array_tasks_and_under_torchrun(slurm, tmp_path):
     """Issue 33.1, a time limit (1 minute, the signal 20 s ahead; slurmctld's tick moves it by up
     to 30 s) on both launchers at once, as two jobs side by side on the cluster:
@@ -304,9 +327,10 @@ def test_unmodified_scripts_save_at_each_time_limit_stop_in_array_tasks_and_unde
       nodes: Slurm's TERM reaches torchrun, which passes it to its worker, and the script gets
       SIGTERM from hpc_train.
 
-    Each script saves the step it had reached (within one). Each stop is requeued as the time
-    limit's (never as a preemption or a failure), once per stop, only that job or task, and each
-    finishes from its own snapshots."""
+    Each script saves the step it had reached (within one) at each stop that reached it mid-run
+    (:func:`_one_requeue_per_stop` names the two stops that cannot save). Each stop is requeued as
+    the time limit's (never as a preemption or a failure), once per stop, only that job or task,
+    and each finishes from its own snapshots."""
     script, sweep_dir = tmp_path / "saves_on_sigterm.py", tmp_path / "sweep"
     script.write_text(SAVES_ON_SIGTERM)
     steps = 450
@@ -327,28 +351,13 @@ def test_unmodified_scripts_save_at_each_time_limit_stop_in_array_tasks_and_unde
     for task, run_dir in zip(tasks, dirs):
         assert slurm.wait_done(task, 600) == "COMPLETED", slurm.sacct(task)
         text = (run_dir / "logs" / "rank-0.log").read_text()
-        stops = _saved_stops(text)
-        runs = slurm.sacct(task)
-        assert len(runs) == len(stops) + 1 and runs[-1]["State"] == "COMPLETED", runs   # one requeue per stop
-        rec = json.loads((run_dir / "requeue.json").read_text())
-        assert rec["counts"] == {"preemption": 0, "timeout": len(stops), "failure": 0}, (rec, stops)
-        assert all(e["key"].startswith(task + ":") for e in rec["events"]) and not rec.get("in_place"), rec
-        assert f"done at step {steps}" in text, text[-3000:]
+        rec = _one_requeue_per_stop(text, steps, slurm.sacct(task), run_dir)
+        assert all(e["key"].startswith(task + ":") for e in rec["events"]), rec
         assert "killed by SIGUSR2" not in text and "SIGUSR2 received: passing SIGTERM to the script" in text, \
             text[-3000:]
-        assert (run_dir / "result.json").exists() and not (run_dir / "stopped.json").exists()
+        assert not (run_dir / "stopped.json").exists()
     assert (tmp_path / "snap-0.json").exists() and (tmp_path / "snap-1.json").exists()
 
     assert slurm.wait_done(tr_job, 600) == "COMPLETED", slurm.sacct(tr_job)
     text = (tr_dir / "logs" / "rank-0.log").read_text()
-    stops = _saved_stops(text)
-    runs = slurm.sacct(tr_job)
-    rec = json.loads((tr_dir / "requeue.json").read_text())
-    # A time limit whose signal lands just as a run's script ends ("done" printed, then killed by
-    # SIGTERM while the interpreter shuts down, its handler gone) stops that run too: nothing can
-    # tell it from a stop mid-step, and the script resumes from its last snapshot. Seen once in a
-    # CI rehearsal (the signal's time moves by slurmctld's tick). Every other stop saved.
-    late = text.count(f"done at step {steps}") - 1
-    assert rec["counts"] == {"preemption": 0, "timeout": len(stops) + late, "failure": 0}, (rec, stops, late)
-    assert len(runs) == len(stops) + late + 1 and not rec.get("in_place"), runs      # one requeue per stop
-    assert f"done at step {steps}" in text and (tr_dir / "result.json").exists()
+    _one_requeue_per_stop(text, steps, slurm.sacct(tr_job), tr_dir)
