@@ -70,12 +70,31 @@ def hpc(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> 
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stacks = _stacks_of_hung_run(p.pid, [str(a) for a in args])
         kill9_workers(p.pid)
         p.kill()
         out, err = p.communicate()
         raise AssertionError(f"hung: {' '.join(map(str, args))} still running after {timeout}s; killed.\n"
-                             f"{err[-6000:]}") from None
+                             f"{err[-6000:]}\n{stacks}") from None
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _stacks_of_hung_run(launcher_pid: int, args: list[str]) -> str:
+    """Before a hung run is killed: every worker and its data-loader processes (its process
+    group) write their Python stacks to the rank log (hpc_train's stack-dump signal; a forked
+    loader worker inherits its handler and file). Returns the logs' tails, for the failure
+    message: a temporary directory may be gone before anyone reads it."""
+    from hpc_train.node.watchdog import DUMP_SIGNAL
+    for pid in children(launcher_pid):
+        try:
+            os.killpg(pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(3)
+    if "--run-dir" not in args:
+        return ""
+    logs = sorted((Path(args[args.index("--run-dir") + 1]) / "logs").glob("rank-*.log"))
+    return "\n".join(f"--- {f.name}, its last lines:\n{f.read_text(errors='replace')[-5000:]}" for f in logs)
 
 
 def run(config: Path, run_dir: Path, *, nproc: int = 2, stop_at: str | int | None = None, resume: str | None = None,
