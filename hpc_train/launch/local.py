@@ -132,11 +132,15 @@ def _visible_gpus() -> int:
 
 def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
     """SIGTERM goes to the worker only (it stops its loader's processes itself); SIGKILL goes
-    to its whole process group, so no data-loader process is left behind."""
-    for p in procs:
-        if p.poll() is None:
+    to its whole process group, so no data-loader process is left behind. Every group is
+    stopped (SIGSTOP) before any is killed: otherwise a rank that outlives a peer by a moment
+    sees the peer's sockets close in a collective and records that as its own failure, and an
+    abort (a second Ctrl-C) would read as a failure afterwards."""
+    live = [p for p in procs if p.poll() is None]
+    for step in ((signal.SIGSTOP, signal.SIGKILL) if sig == signal.SIGKILL else (sig,)):
+        for p in live:
             try:
-                os.killpg(p.pid, sig) if sig == signal.SIGKILL else os.kill(p.pid, sig)
+                os.killpg(p.pid, step) if sig == signal.SIGKILL else os.kill(p.pid, step)
             except ProcessLookupError:
                 pass
 
