@@ -216,7 +216,8 @@ def test_a_stop_that_came_before_the_script_started_does_not_start_it(tmp_path, 
     """The job's signal reached the worker while it was still starting (a time limit's signal
     on a slow start): a script started then could only be killed before it had a handler of its
     own, so it is not started. The stop is recorded as any stop the script never saw. The stop
-    is recorded the way the worker's handler records a signal; no fault is faked."""
+    is asked for through StopRequest's public request(), which records it as the worker's
+    handler records a signal; no fault is faked."""
     from hpc_train import config
     from hpc_train.launch.supervise import supervise
     from hpc_train.node import environment
@@ -228,7 +229,7 @@ def test_a_stop_that_came_before_the_script_started_does_not_start_it(tmp_path, 
     cfg = config.load(None, [f"train.script={script}"])
     (rd / "logs" / ".heartbeat").mkdir(parents=True)     # what the worker's session makes first
     stop = StopRequest()
-    stop._record(signal.SIGUSR2)
+    stop.request(signal.SIGUSR2)
     caplog.set_level("INFO", logger="hpc_train")
     out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, environment.current(), rd, stop)
     assert out == {"stopped": True, "exit_code": None}

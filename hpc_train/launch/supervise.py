@@ -109,12 +109,9 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     if stop.requested:
         # The stop came while this process was starting: a script started now could only be
         # killed before it had its own SIGTERM handler, so it is not started at all.
-        from hpc_train.node.stops import record_stop
         stop.ignore_further()
-        log.info("%s came before the script started: not starting it", stop.name)
-        record_stop(job, env, rd, stop, step=None, checkpoint=False)
-        watchdog.say_ended(rd, env.rank, "stopped")
-        return {"stopped": True, "exit_code": None}
+        return _stopped(job, env, rd, stop, started, None, f"{stop.name} came before the script started: "
+                                                           f"not starting it")
     cmd = [sys.executable, "-u", str(script), *train.args]
     log.info("running %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
@@ -213,7 +210,6 @@ def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], scr
     """What the script's exit means for this task: a failure (raised, with its error file), a
     stop (recorded), or its part of a finished run (rank 0 writes result.json once every rank's
     script finished)."""
-    from hpc_train.node.stops import record_stop
     if wrong:
         _fail(rd, env, f"rank {env.rank}: {wrong[0]}")
     stop.ignore_further()
@@ -228,11 +224,7 @@ def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], scr
     # with the stopped code: that is a stop too, not a failure.
     own_stop = code == EXIT_STOPPED and _stop_recorded_since(rd, started, wait_s=10.0)
     if (stop.requested and not late) or own_stop:
-        if stop.requested and not _stop_recorded_since(rd, started):
-            record_stop(job, env, rd, stop, step=None, checkpoint=False)   # the script never saw it
-        log.info("the script stopped (%s; it %s)", stop.name, _how(code))
-        watchdog.say_ended(rd, env.rank, "stopped")
-        return {"stopped": True, "exit_code": code}
+        return _stopped(job, env, rd, stop, started, code, f"the script stopped ({stop.name}; it {_how(code)})")
     if code != 0 and not (late and finished):
         from hpc_train.records.ranks import node_name
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
@@ -245,6 +237,18 @@ def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], scr
         result.write(rd, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                           "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
+
+
+def _stopped(job: JobSection, env: NodeEnv, rd: Path, stop: StopRequest, started: float, code: int | None,
+             line: str) -> dict[str, Any]:
+    """This task ended at a stop: recorded (unless the script's own Run recorded it: a stop the
+    script never saw has hpc_train's record), said in ``line``, and this rank's end said."""
+    from hpc_train.node.stops import record_stop
+    if stop.requested and not _stop_recorded_since(rd, started):
+        record_stop(job, env, rd, stop, step=None, checkpoint=False)
+    log.info("%s", line)
+    watchdog.say_ended(rd, env.rank, "stopped")
+    return {"stopped": True, "exit_code": code}
 
 
 def _fail(rd: Path, env: NodeEnv, msg: str) -> None:
