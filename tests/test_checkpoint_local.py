@@ -260,7 +260,7 @@ def test_the_batch_script_removes_the_jobs_local_tier_after_its_loop(tmp_path):
     assert "--nodes=1 --ntasks-per-node=1" in (tmp_path / "cleanup.calls").read_text()
 
 
-def test_ckpt_list_shows_the_local_items_a_crash_left(tmp_path):
+def test_ckpt_list_shows_the_local_items_a_crash_left(tmp_path, monkeypatch):
     """Without a restart, a crashed rank's run leaves its local items (an in-place restart would
     have used them); ``ckpt list`` on the same machine shows them, marked local."""
     p = _torchrun(tmp_path, KILL_AT, restarts="0")
@@ -278,6 +278,12 @@ def test_ckpt_list_shows_the_local_items_a_crash_left(tmp_path):
     run_dir = tmp_path / "runs" / "loop"
     assert restart_point(run_dir, store.newest_complete(run_dir)) == ("restarted in place: step 6 from the node-local tier "
                                                          "(every rank of 2 held); a requeue: the shared tier's step 4")
+    # The requeue hook, on a node that sees them, counts them as progress (a failure judged by
+    # the shared tier's step alone looked like no progress since the last one).
+    from hpc_train.login.gather import gather
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))   # squeue: "unknown"
+    inputs, _ = gather(run_dir, 1, {"SLURM_JOB_ID": "7"}, srun_tasks_per_node=2, ranks_per_node=2)
+    assert (inputs.newest_step, inputs.local_step) == (4, 6), inputs
 
 
 def _item(step: int, rank: int, world: int = 2, complete: bool = True, copy: bool = False):

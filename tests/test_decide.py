@@ -167,6 +167,27 @@ def test_the_same_error_at_the_same_step_twice_ends_the_job():
     assert moved.action == other.action == "in_place"
 
 
+def test_progress_on_the_local_tier_alone_is_progress():
+    """A run that keeps the node-local tier saves there every few steps and on the shared tier
+    rarely: two failures with one error line, between which only the local tier moved, are two
+    failures at different steps, each restarted in place (from the local tier's step); without
+    a move on either tier, the second ends the job. A requeue names the shared tier's step."""
+    err = "RuntimeError: lost a peer: rank 1 exited"
+    first = decide(base(errors={0: err}, newest_step=200, local_step=205))
+    assert first.action == "in_place" and first.restart.step == 205, first
+    assert "restarting in place from step 205" in first.message, first.message
+    again = dict(errors={0: err}, newest_step=200, history=RequeueState(in_place=(first.restart,)))
+    moved = decide(base(local_step=290, **again))
+    assert moved.action == "in_place" and moved.restart.charge == 1, moved
+    stuck = decide(base(local_step=205, **again))
+    assert stuck.action == "fail" and "the same error again at step 205" in stuck.final, stuck
+    # The local tier older than the shared one (a requeue's new nodes, before their first save):
+    # the shared tier's step stands.
+    assert decide(base(newest_step=200, local_step=150)).restart.step == 200
+    requeue = decide(base(newest_step=200, local_step=205, budgets=Budgets(-1, 20, 1, 0)))
+    assert requeue.action == "requeue" and requeue.step == 200 and "failure at step 200" in requeue.message
+
+
 def test_the_culprit_s_error_is_not_a_victim_s_lost_peer_line():
     d = decide(base(ranks={0: rec(0), 1: rec(1)},
                     errors={0: "lost a peer: rank 1 (pid 7 on node2) exited (Connection reset by peer)",
@@ -295,6 +316,7 @@ def inputs(draw):
                 budgets=draw(BUDGETS), history=draw(HISTORIES), job_signal=draw(st.sampled_from(["USR2", "TERM"])),
                 nominal_end=draw(st.one_of(st.none(), st.floats(NOW - 100, NOW + 2000))),
                 newest_step=draw(st.integers(0, 300)), own_checkpoint=draw(st.booleans()),
+                local_step=draw(st.one_of(st.none(), st.integers(0, 300))),
                 resume=draw(st.sampled_from(["latest", "none", "/elsewhere/checkpoints/step-4"])),
                 nodes=draw(st.one_of(st.none(), node_views())), errors=draw(ERRORS))
 

@@ -192,3 +192,37 @@ def test_bad_lost_node_settings_are_refused_in_one_line(tmp_path, sets, field):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0] and "Traceback" not in p.stderr, show(p)
     assert not (tmp_path / "job.sbatch").exists() and not rd.exists()
+
+
+def test_an_earlier_step_s_error_file_is_not_read_as_the_next_step_s(tmp_path):
+    """A standby step's ranks begin within a second of the step they replace having failed.
+    Step 1: rank 0 records "RuntimeError: boom" and the step fails. Step 2: both ranks begin a
+    moment after that error was written, then srun kills the step (a lost node) with no error
+    of its own. Its failure is not 'the same error again' (which ends the job): each rank's start
+    removed the error file an earlier step left, and step 2 is restarted in place like any other
+    failure. The fake srun leaves the records a real step leaves, through the functions the
+    ranks call."""
+    script, rd = _script(tmp_path, "job.nodes=2")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("scontrol", "srun"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/{name}.calls\n')
+        (bin_dir / name).chmod(0o755)
+    step = ("import os, sys; from pathlib import Path; from hpc_train import rundir; "
+            "from hpc_train.records import ranks; from hpc_train.node import watchdog; "
+            "rd, n = Path(sys.argv[1]), int(sys.argv[2]); err = rundir.rank_error(rd, 0); "
+            "err.exists() and os.utime(err); "       # written just now, as a standby step sees it
+            "[ranks.begin(rd, r, 2) for r in (0, 1)]; "
+            "n == 1 and watchdog.write_error(rd, 0, 'RuntimeError: boom\\n'); "
+            "n == 3 and (rd / 'result.json').write_text('{}')")
+    srun = (f'srun() {{ n=$(( $(cat {tmp_path}/srun.calls 2>/dev/null || echo 0) + 1 )); '
+            f'echo "$n" > {tmp_path}/srun.calls; '
+            f'{shlex.quote(sys.executable)} -c "{step}" "$RUN_DIR" "$n"; [ "$n" -eq 3 ] || return 1; }}\n')
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_RESTART_COUNT": "0", "SLURM_JOB_START_TIME": "1"}
+    job = subprocess.run(["bash", "-c", srun + script], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert job.returncode == 0 and "the same error again" not in job.stderr, job.stderr
+    assert _calls(tmp_path, "srun").strip() == "3", job.stderr
+    rec = json.loads((rd / "requeue.json").read_text())
+    assert [e.get("error") for e in rec["in_place"]] == ["RuntimeError: boom", None], rec

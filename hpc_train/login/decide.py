@@ -102,6 +102,10 @@ class Inputs:
     past_runs: tuple[PastRun, ...] | None = ()   # the job's runs (sacct), asked when some went unrecorded
     past_why: str = ""                     # why sacct's answer is unknown (past_runs None)
     window_s: float = 300.0                # dist.straggler_window_s: at most one swap per window
+    # The node-local tier's newest complete step that the hook's node sees, any rank's (None: no
+    # local tier, or none seen). A restart in place loads it when every rank holds it; either
+    # way it is progress the shared tier does not show yet.
+    local_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -235,8 +239,14 @@ def _stop(i: Inputs, cause: str, step: int | None) -> Decision:
                     0, cause, step)
 
 
+def progress(i: Inputs) -> int | None:
+    """The newest step saved on either tier: what a failure's 'no progress' is judged by."""
+    saved = [s for s in (i.newest_step, i.local_step) if s is not None]
+    return max(saved) if saved else None
+
+
 def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
-    step = i.newest_step
+    step = progress(i)
     _, error = culprit_error(i, failed)
     if error is not None and i.history.last_failure() == (step, error):
         # The same error at the same step, with no checkpoint since: it will fail the same way.
@@ -277,6 +287,7 @@ def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
         return Decision("none", f"{note}requeue of {i.inc.target} already done", 0)
     budget, used = i.budgets.failure, i.history.count("failure")
     code = 1 if i.status in (0, AGAIN) else i.status
+    step = i.newest_step     # a requeue lands on nodes that hold nothing: the shared tier's step
     if 0 <= budget <= used:
         final = f"stopped by failure at {_step(step)}; failure budget ({budget}) spent, not requeued"
         return Decision("fail", f"{note}{final}", code, "failure", step, final=final, error=error)

@@ -40,17 +40,26 @@ def _int(env: Mapping[str, str], key: str, default: int = 0) -> int:
     return int(raw) if raw.isdigit() and len(raw) <= 18 else default
 
 
-def _job(path: Path) -> tuple[JobSection, bool, float, str]:
-    """The job section of the job's config, whether it runs a script, its straggler window, and,
-    when the config cannot be read, the defaults and why."""
-    from hpc_train import config
+def _job(path: Path) -> tuple[JobSection, bool, float, str | None, str]:
+    """The job section of the job's config, whether it runs a script, its straggler window, its
+    ``checkpoint.local_dir`` when it keeps the node-local tier (else None), and, when the config
+    cannot be read, the defaults and why."""
+    from hpc_train import config, config_local
     from hpc_train.errors import UsageError
     try:
         cfg = config.load(path)
-        return cfg.job, bool(cfg.train.script), cfg.dist.straggler_window_s, ""
+        local = cfg.checkpoint.local_dir if config_local.enabled(cfg.checkpoint) else None
+        return cfg.job, bool(cfg.train.script), cfg.dist.straggler_window_s, local, ""
     except (UsageError, OSError) as e:
-        return (JobSection(), False, config.DistSection().straggler_window_s,
+        return (JobSection(), False, config.DistSection().straggler_window_s, None,
                 f"{path.name} unreadable ({str(e).splitlines()[0][:200]}): the job's defaults apply; ")
+
+
+def _local_step(run_dir: Path, local_dir: str) -> int | None:
+    """The node-local tier's newest complete step, any rank's, among the items this node sees
+    (on a cluster, its own node's and the copies it keeps)."""
+    from hpc_train.ckpt import tiers
+    return max((i.info.step for i in tiers.local_items(run_dir, local_dir) if i.info.complete), default=None)
 
 
 def budgets(job: JobSection) -> Budgets:
@@ -62,7 +71,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     """The inputs of this hook call, and the history as read (the act writes on top of it).
     ``config``: the job's config (a standalone script's own copy), else the run's config.yaml."""
     run_dir = Path(run_dir)
-    job, script, window_s, note = _job(Path(config) if config else run_dir / rundir.CONFIG)
+    job, script, window_s, local_dir, note = _job(Path(config) if config else run_dir / rundir.CONFIG)
     inc = Incarnation(target(env), _int(env, "SLURM_RESTART_COUNT"))
     step = StepId(env.get("SLURM_JOB_ID", ""), inc.restart, _int(env, ranks_rec.ATTEMPT_ENV))
     history = requeue_rec.read(run_dir)
@@ -121,5 +130,6 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         # without one of hpc_train's, is its own business (it keeps its own snapshots): unknown.
         newest_step=newest.step if newest is not None else None if script else 0, own_checkpoint=own,
         resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors,
-        past_runs=past, past_why=past_why, window_s=window_s)
+        past_runs=past, past_why=past_why, window_s=window_s,
+        local_step=_local_step(run_dir, local_dir) if asks and local_dir is not None else None)
     return inputs, history

@@ -145,10 +145,14 @@ def host_address() -> str:
 
 
 def begin(run_dir: Path, rank: int, world_size: int | None) -> Path:
-    """This rank starts: its record for this step (any earlier one is replaced)."""
+    """This rank starts: its record for this step (any earlier one is replaced), and its error
+    file, if an earlier step left one, removed: whatever reads this step's errors (the requeue
+    hook, ``status``) must not take an earlier step's for this one's. A standby step begins
+    within a second of the step it replaces having failed, closer than any clock's slack."""
     step = StepId.from_env()
     p = path(run_dir, rank)
     p.parent.mkdir(parents=True, exist_ok=True)
+    rundir.remove_record(rundir.rank_error(run_dir, rank))
     io.write_json(p, {"rank": rank, "host": socket.gethostname(), "node": node_name(), "pid": os.getpid(),
                           "job": step.job, "restart": step.restart, "attempt": step.attempt, "launch": step.launch,
                           "world_size": world_size, "started": time.time(), "addr": host_address()})
