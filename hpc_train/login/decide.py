@@ -102,10 +102,7 @@ class Inputs:
     past_runs: tuple[PastRun, ...] | None = ()   # the job's runs (sacct), asked when some went unrecorded
     past_why: str = ""                     # why sacct's answer is unknown (past_runs None)
     window_s: float = 300.0                # dist.straggler_window_s: at most one swap per window
-    # The node-local tier's newest complete step that the hook's node sees, any rank's (None: no
-    # local tier, or none seen). A restart in place loads it when every rank holds it; either
-    # way it is progress the shared tier does not show yet.
-    local_step: int | None = None
+    local_step: int | None = None          # the node-local tier's newest the hook's node sees: progress too
 
 
 @dataclass(frozen=True)
@@ -241,8 +238,7 @@ def _stop(i: Inputs, cause: str, step: int | None) -> Decision:
 
 def progress(i: Inputs) -> int | None:
     """The newest step saved on either tier: what a failure's 'no progress' is judged by."""
-    saved = [s for s in (i.newest_step, i.local_step) if s is not None]
-    return max(saved) if saved else None
+    return max((s for s in (i.newest_step, i.local_step) if s is not None), default=None)
 
 
 def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
