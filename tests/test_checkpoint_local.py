@@ -307,6 +307,17 @@ def test_the_restart_step_is_the_newest_held_for_every_rank(items, expected):
     assert tiers.restart_step(items) == expected
 
 
+@pytest.mark.parametrize("items, expected", [
+    ([], None),
+    ([_item(6, 0), _item(3, 0), _item(3, 1)], 6),                           # one rank's own is enough
+    ([_item(9, 1, copy=True), _item(6, 0)], 9),                             # so is a copy
+    ([_item(9, 0, complete=False), _item(6, 0)], 6),                        # incomplete is not
+])
+def test_the_newest_local_step_is_any_rank_s_newest_complete(items, expected):
+    from hpc_train.ckpt import tiers
+    assert tiers.newest_step(items) == expected
+
+
 def test_the_cleanup_asks_for_the_allocation_s_node_count_now(tmp_path):
     """After a lost node (``--no-kill``) the allocation has fewer nodes than the batch shell's
     ``$SLURM_JOB_NUM_NODES`` says, and an ``srun`` asking for that many waits forever: the

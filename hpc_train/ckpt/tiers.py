@@ -62,3 +62,9 @@ def restart_step(items: list[LocalItem]) -> tuple[int, int] | None:
             held.setdefault((i.info.step, w), set()).add(i.rank)
     full = [(s, w) for (s, w), ranks in held.items() if len(ranks) == w]
     return max(full) if full else None
+
+
+def newest_step(items: list[LocalItem]) -> int | None:
+    """The newest step of any complete visible item, any rank's, own or a copy: how far training
+    got on this tier, whether or not every rank holds it (the requeue hook's progress)."""
+    return max((i.info.step for i in items if i.info.complete), default=None)

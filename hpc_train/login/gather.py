@@ -55,13 +55,6 @@ def _job(path: Path) -> tuple[JobSection, bool, float, str | None, str]:
                 f"{path.name} unreadable ({str(e).splitlines()[0][:200]}): the job's defaults apply; ")
 
 
-def _local_step(run_dir: Path, local_dir: str) -> int | None:
-    """The node-local tier's newest complete step, any rank's, among the items this node sees
-    (on a cluster, its own node's and the copies it keeps)."""
-    from hpc_train.ckpt import tiers
-    return max((i.info.step for i in tiers.local_items(run_dir, local_dir) if i.info.complete), default=None)
-
-
 def budgets(job: JobSection) -> Budgets:
     return Budgets(job.requeue_preemption, job.requeue_timeout, job.requeue_failure, job.restarts_in_place)
 
@@ -109,6 +102,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     # scontrol requeue ended the batch shell before the hook ran): one sacct says what they were.
     past, past_why = (slurm.past_runs(inc.target) if history.unrecorded(inc) and status != EXIT_USAGE
                       else ((), ""))
+    from hpc_train.ckpt import tiers
     from hpc_train.ckpt.store import newest_complete
     newest = newest_complete(run_dir)
     saved_at = newest.record.get("time") if newest is not None else None
@@ -131,5 +125,6 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         newest_step=newest.step if newest is not None else None if script else 0, own_checkpoint=own,
         resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors,
         past_runs=past, past_why=past_why, window_s=window_s,
-        local_step=_local_step(run_dir, local_dir) if asks and local_dir is not None else None)
+        # The items this node sees: on a cluster, its own node's and the copies it keeps.
+        local_step=tiers.newest_step(tiers.local_items(run_dir, local_dir)) if asks and local_dir is not None else None)
     return inputs, history
