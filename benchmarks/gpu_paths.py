@@ -51,7 +51,9 @@ def hpc_run(rd: Path, sets: list[str], timeout: float = 600) -> None:
                        cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         why = _why(rd, "")
-        raise RepFailed(f"hpc_train run{': ' + why if why else ''}", r.returncode, r.stderr)
+        # The tail shown: the error file's (the worker's traceback) where there is one, else stderr's.
+        errs = "\n".join(f.read_text() for f in sorted((rd / "logs").glob("rank-*.error")))
+        raise RepFailed(f"hpc_train run{': ' + why if why else ''}", r.returncode, errs or r.stderr)
 
 
 def paths(tmp: Path, reps: Reps, extra: list[str] = ()) -> list[str]:

@@ -52,6 +52,15 @@ def _rank_state(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, An
             "plain": {k: state[k] for k, kind in kinds.items() if kind == "plain"}}
 
 
+def _reusable(stager: Any) -> bool:
+    """False for a DCP stager that closed itself: torch 2.11's DefaultStager closes its
+    StateDictStager at the end of every stage (pytorch#183413, fixed by pytorch#183424), which
+    empties its copy dispatch, and a second save with it fails (``KeyError: <class 'type'>``).
+    Such a stager is replaced at each save (its cached copy is gone anyway)."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is None or bool(getattr(inner, "_deepcopy_dispatch", True))
+
+
 def _save_error(e: BaseException, step: int, run_dir: Path) -> BaseException:
     """One line for a save that failed (a full disk, a lost peer): DCP's CheckpointException
     holds every rank's traceback; the last line is the cause."""
@@ -177,7 +186,7 @@ class Checkpointer:
         (benchmarks/checkpoint.py measures it). The copy stays allocated between saves (DCP's
         default allocates as much at every save). Safe: one save in flight (wait()), so no
         background write still reads the buffers when the next save refills them."""
-        if self.stager is not None and self._stager_overlaps != overlap:
+        if self.stager is not None and (self._stager_overlaps != overlap or not _reusable(self.stager)):
             self.stager.close()
             self.stager = None
         if self.stager is None:
