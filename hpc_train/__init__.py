@@ -1,9 +1,10 @@
 """hpc_train: take a PyTorch training job from a laptop to a multi-node Slurm cluster.
 
-The data path, one module per step::
+The data path, one package or module per step (docs/architecture.md is the map)::
 
-    config -> submission/sbatch -> environment -> distributed -> run (Run: the user's loop
-           or the built-in trainer) -> checkpoint / preemption -> requeue -> resume
+    cli -> login (submission, batch, scheduler; the requeue hook) -> launch.worker
+        -> node (session, environment, stops, group) -> lifecycle -> run (Run: the user's
+        loop or the built-in trainer) -> ckpt (restore, save; the node-local tier)
 
 Your own loop::
 

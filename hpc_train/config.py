@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,8 +256,9 @@ TRAINER_KEYS = ("epochs", "eval")   # the train section's keys that only the bui
 def _with_docs(text: str) -> str:
     """A config's YAML with each documented field's ``doc`` as a comment at the end of its line.
     Only a section's own ``  key: value`` lines are touched (not list items or wrapped text)."""
+    # A section's default_factory is its dataclass (_SECTIONS keeps only those); mypy cannot narrow a Field's.
     docs = {f"{name}.{f.name}": f.metadata["doc"] for name, sec in _SECTIONS.items()
-            for f in dataclasses.fields(sec.default_factory) if f.metadata.get("doc")}
+            for f in dataclasses.fields(sec.default_factory) if f.metadata.get("doc")}  # type: ignore[arg-type]
     out, section = [], ""
     for line in text.splitlines():
         if line[:1] not in ("", " "):
@@ -321,7 +324,8 @@ def parse_set(item: str) -> dict[str, Any]:
     return {section: {key: value}}
 
 
-def load(path: str | Path | None, overrides: list[str] = (), extra: dict[str, Any] | None = None) -> Config:
+def load(path: str | os.PathLike[str] | None, overrides: Sequence[str] = (),
+         extra: dict[str, Any] | None = None) -> Config:
     """Build a :class:`Config` from defaults, a YAML file, ``--set`` items and flag values."""
     cfg = Config()
     if path is not None:

@@ -26,7 +26,7 @@ import socket
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from hpc_train.errors import UsageError
 
@@ -36,7 +36,17 @@ DEFAULT_BASE = "/dev/shm"
 COPIES = "copies"   # a buddy's copies beside the node's own (hpc_train.ckpt.peer)
 
 
-def check(section: Any, nodes: int = 1) -> None:
+class LocalTierConfig(Protocol):
+    """The local tier's fields of the CheckpointSection (hpc_train.config, a layer above)."""
+
+    enabled: bool
+    local_every_steps: int
+    local_every_seconds: float
+    local_dir: str
+    local_replicas: int
+
+
+def check(section: LocalTierConfig, nodes: int = 1) -> None:
     """The local tier's rules beyond each field's type and range (the CheckpointSection).
     ``nodes``: job.nodes; copies go to other nodes, so at most nodes - 1 of them (a run on one
     node, such as ``run``, keeps the default 1 and is told once that copies are off)."""
@@ -52,7 +62,7 @@ def check(section: Any, nodes: int = 1) -> None:
         raise UsageError("config: checkpoint.local_dir holds a newline or a NUL byte")
 
 
-def enabled(section: Any) -> bool:
+def enabled(section: LocalTierConfig) -> bool:
     """Whether the config asks for the local tier at all (every rank decides the same)."""
     return bool(section.enabled and (section.local_every_steps or section.local_every_seconds))
 

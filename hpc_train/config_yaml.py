@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def parse_value(raw: str, field: str) -> Any:
 _MAX_FILE_BYTES = 1 << 20
 
 
-def read_file(path: str | Path) -> Any:
+def read_file(path: str | os.PathLike[str]) -> Any:
     """A config file's YAML, or a :class:`UsageError` naming the file and what is wrong."""
     p = Path(path)
     name = str(p) if len(str(p)) <= 200 else f"{str(p)[:120]}...{str(p)[-40:]} ({len(str(p))} characters)"
@@ -213,8 +214,10 @@ def coerce(path: str, f: dataclasses.Field, value: Any) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) and _printable(v) for v in value):
             raise UsageError(f"config: {path} must be a list of single-line strings, got {show(given)}")
     if lo is not None and value < lo or hi is not None and value > hi:
-        valid = f">= {_num(lo)} and <= {_num(hi)}" if lo is not None and m.get("max") is not None else (
-            f">= {_num(lo)}" if lo is not None and value < lo else f"<= {_num(hi)}")
+        low = f">= {_num(lo)}" if lo is not None else ""
+        high = f"<= {_num(hi)}" if hi is not None else ""
+        valid = f"{low} and {high}" if lo is not None and m.get("max") is not None else (
+            low if lo is not None and value < lo else high)
         raise UsageError(f"config: {path} must be {valid}, got {show(given)}")
     if m.get("choices") and value not in m["choices"]:
         if not (m.get("importable") and IMPORT_RE.match(value)):

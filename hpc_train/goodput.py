@@ -28,10 +28,14 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from hpc_train import rundir
+
+if TYPE_CHECKING:
+    from hpc_train.records.requeue import InPlace
 
 FILE = "goodput.json"    # this module is its owner: Ledger writes, read() reads
 PARTS = ("training", "redone", "start-up", "recovery", "checkpoint", "exit", "between runs")
@@ -118,7 +122,7 @@ _NUMBERS = ("start", "end", "first_step", "load_s", "save_block_s", "redone_s", 
             "step_to", "exited")
 
 
-def _is_num(v: Any) -> bool:
+def _is_num(v: object) -> TypeGuard[float]:
     """A finite number: JSON lets outside hands write NaN or Infinity, which no sum survives."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -187,7 +191,7 @@ def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, fl
     return len(later), max(0.0, last - start), last
 
 
-def _restarted_in_place(run_dir: Path, segments: list):
+def _restarted_in_place(run_dir: Path, segments: list[object]) -> InPlace | None:
     """The in-place restart (``requeue.json``'s entry) that started this process's job step: the
     batch shell's hook recorded it after the previous segment began; None when there is none."""
     prev = segments[-1].get("start") if segments and isinstance(segments[-1], dict) else None
@@ -300,7 +304,7 @@ def record_segment(run_dir: Path, since: float) -> None:
     Ledger(Path(run_dir)).close()
 
 
-def job_start(env: dict[str, str]) -> float:
+def job_start(env: Mapping[str, str]) -> float:
     """This job's start (Slurm's SLURM_JOB_START_TIME where set); 0 when unknown."""
     try:
         return float(env.get("SLURM_JOB_START_TIME") or 0)
@@ -319,7 +323,7 @@ def _breakdown(rec: dict[str, Any], now: float) -> dict[str, Any] | None:
     if not segs:
         return None
     parts = dict.fromkeys(PARTS, 0.0)
-    prev_end = float(rec.get("first_submit", segs[0]["start"]))
+    prev_end = float(rec["first_submit"] if "first_submit" in rec else segs[0]["start"])
     first = prev_end
     for i, s in enumerate(segs):
         start = max(float(s["start"]), prev_end)

@@ -73,16 +73,8 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
             cfg = _name_own_program(cfg)
         script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else ""
         rd = Path(run_dir or os.environ.get(rundir.RUN_DIR_ENV) or cfg.run_dir or f"runs/{script or 'hpc_train'}")
-        # A finished run: every rank reads the same record (nothing runs), and leaves before
-        # anything is written, its log included.
-        done = session_mod.finished_result(rd) if resume != "none" else None
-        if done is not None:
-            from hpc_train.ckpt import compat
-            compat.check_finished(rd, cfg, launched=under_launcher)   # other arguments: refused, not ignored
-            from hpc_train.node import environment
-            if environment.current().rank == 0:
-                print(session_mod.finished_line(rd, done, f"{rundir.RESUME_ENV}=none"), file=sys.stderr)
-            raise SystemExit(0)
+        if resume != "none":
+            _leave_if_finished(rd, cfg, under_launcher)
         s = session_mod.begin(cfg, rd, own_process=False, escalate=True)
         s.launched = under_launcher
     except UsageError as e:
@@ -97,14 +89,7 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
             device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend)
                       else torch.device("cpu"))
         problem = _prepare(s, under_launcher, resume)
-        if s.env.world_size > 1 and dist.is_initialized():
-            # Every rank acts on rank 0's verdict together: a rank that left alone would leave its
-            # peers waiting in their first collective until the timeout.
-            t = torch.tensor([float(problem is not None)], device=device)
-            dist.broadcast(t, 0)
-            refused = t.item() > 0
-        else:
-            refused = problem is not None
+        refused = _rank0_refuses(problem, s.env.world_size, device)
     except BaseException:
         s.close()   # no Run to close it: the lock, and the stop signals' handlers given back
         raise
@@ -119,6 +104,30 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
     atexit.register(_at_exit, run, not under_launcher)
     _one_line_failures(run)
     return run
+
+
+def _leave_if_finished(rd: Path, cfg: Config, under_launcher: bool) -> None:
+    """A finished run exits 0 on every rank before anything is written, its log included: nothing is left to run."""
+    done = session_mod.finished_result(rd)   # the same record on every rank: all leave, with no collective
+    if done is None:
+        return
+    from hpc_train.ckpt import compat
+    compat.check_finished(rd, cfg, launched=under_launcher)   # other arguments: refused, not ignored
+    from hpc_train.node import environment
+    if environment.current().rank == 0:
+        print(session_mod.finished_line(rd, done, f"{rundir.RESUME_ENV}=none"), file=sys.stderr)
+    raise SystemExit(0)
+
+
+def _rank0_refuses(problem: str | None, world_size: int, device: torch.device) -> bool:
+    """Rank 0's verdict, on every rank: one that left alone would hang its peers' first collective until the timeout."""
+    import torch
+    import torch.distributed as dist
+    if world_size > 1 and dist.is_initialized():
+        t = torch.tensor([float(problem is not None)], device=device)
+        dist.broadcast(t, 0)
+        return t.item() > 0
+    return problem is not None
 
 
 def _name_own_program(cfg: Config) -> Config:

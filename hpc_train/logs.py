@@ -101,7 +101,7 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
             # An eval at the resume step ran after that checkpoint; the resumed run repeats it.
             if rec["step"] < keep_through_step or (rec["step"] == keep_through_step and "eval_acc" not in rec):
                 out.write(raw if ended else raw + b"\n")
-    if damaged:
+    if damaged and aside is not None:     # a damaged line always has its place aside
         log.warning("%s: %d line(s) are not metrics records (an object with an integer step); moved to %s, "
                     "and the run goes on without them", path, damaged, aside.name)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -281,13 +281,14 @@ def damaged_name(path: Path) -> Path:
     return aside
 
 
-def set_aside(path: Path, problem: str, warn=None) -> Path | None:
+def set_aside(path: Path, problem: str, warn: Callable[[str], None] | None = None) -> Path | None:
     """Move a damaged record out of the way (``NAME.damaged-<time>``), never deleting it, so the
     run goes on without it; ``warn`` gets one line saying so. None if it could not be moved."""
     path = Path(path)
-    aside: Path | None = damaged_name(path)
+    target = damaged_name(path)
+    aside: Path | None = target
     try:
-        path.rename(aside)
+        path.rename(target)
     except OSError:
         aside = None
     if warn is not None:

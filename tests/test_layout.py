@@ -1,9 +1,12 @@
-"""The package's shape, checked on its source: modules of at most 400 lines; every run-directory
-file name and ``HPC_TRAIN_*`` variable spelled in ``hpc_train/rundir.py`` alone, except each
-record's name, spelled in its owner alone (code elsewhere uses their constants, so a renamed
-file cannot drift apart between a writer and its readers); and each record's JSON read and
-written by its owner alone. The import layers are checked by import-linter (``lint-imports``,
-in ``make test``), which also keeps ``hpc_train.records.io`` out of reach of non-owners."""
+"""The package's shape, checked on its source: no function over 60 lines (modules are split by
+idea, not by size; a named table is the exception); every run-directory file name and
+``HPC_TRAIN_*`` variable spelled in ``hpc_train/rundir.py`` alone, except each record's name,
+spelled in its owner alone (code elsewhere uses their constants, so a renamed file cannot drift
+apart between a writer and its readers); each record's JSON read and written by its owner alone;
+and import-linter's hand-kept lists derived from the import graph (every torch-free module is in
+the torch-free contract; every torch module of ``hpc_train.ckpt`` is forbidden to the login side).
+The import layers themselves are checked by import-linter (``lint-imports``, in ``make test``),
+which also keeps ``hpc_train.records.io`` out of reach of non-owners."""
 
 from __future__ import annotations
 
@@ -27,8 +30,9 @@ NAMES = {v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str
 
 def _literals(path: Path) -> list[tuple[int, str]]:
     """(line, value) of the string constants in code that name a run directory's file (a name with
-    a dot, or any name joined onto a path with ``/``) or an ``HPC_TRAIN_*`` variable. Docstrings
-    are left out (they document); so is a bare word such as the ``logs`` command's name."""
+    a dot, or any name joined onto a path with ``/``) or hold an ``HPC_TRAIN_*`` variable's name
+    (alone, in a longer string, in an f-string), and of keyword arguments named after one.
+    Docstrings are left out (they document); so is a bare word such as the ``logs`` command's name."""
     tree = ast.parse(path.read_text())
     joined = {id(n.right) for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)}
     docstrings = set()
@@ -37,9 +41,22 @@ def _literals(path: Path) -> list[tuple[int, str]]:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
                 docstrings.add(id(first.value))
-    return [(n.lineno, n.value) for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
-            and (n.value.startswith("HPC_TRAIN_") or n.value in NAMES and ("." in n.value or id(n) in joined))]
+    found = [(n.lineno, n.value) for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+             and (ENV_NAME.search(n.value) or n.value in NAMES and ("." in n.value or id(n) in joined))]
+    # A variable's name can also be spelled as a keyword (``dict(HPC_TRAIN_X=...)``).
+    return found + [(n.value.lineno, n.arg) for n in ast.walk(tree)
+                    if isinstance(n, ast.keyword) and n.arg and ENV_NAME.search(n.arg)]
+
+
+# An HPC_TRAIN_* variable's name anywhere in a string (an f-string's parts too, or a shell line).
+ENV_NAME = re.compile(r"HPC_TRAIN_[A-Z]")
+
+
+def test_the_check_sees_a_name_in_an_f_string_and_as_a_keyword(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('x = 1\nline = f"export HPC_TRAIN_RESUME={x}"\nenv = dict(HPC_TRAIN_ATTEMPT="2")\n')
+    assert [line for line, _ in _literals(f)] == [2, 3]
 
 
 def test_the_check_sees_the_names():
@@ -48,9 +65,42 @@ def test_the_check_sees_the_names():
     assert len(MODULES) > 30
 
 
+# The function budget's named exceptions, each with its reason.
+LONG_FUNCTIONS = {
+    "cli/main.py:build_parser": "a table: every command and its flags, read top to bottom",
+}
+MAX_FUNCTION_LINES = 60
+
+
+def function_lengths(path: Path, root: Path = PKG) -> dict[str, int]:
+    """Each function's length in lines (``FILE:NAME``, FILE relative to ``root``), from its
+    ``def`` to its last line, its docstring not counted (a reason written down is not length);
+    a nested function counts on its own and inside its parent."""
+    out: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                n -= first.end_lineno - first.lineno + 1
+            name = f"{path.relative_to(root)}:{node.name}"
+            out[name] = max(n, out.get(name, 0))
+    return out
+
+
+def test_the_function_budget_counts_code_not_docstrings(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    (tmp_path / "m.py").write_text(f'def long():\n    """Doc\n    string."""\n{body}\n\ndef short():\n    pass\n')
+    assert function_lengths(tmp_path / "m.py", tmp_path) == {"m.py:long": 62, "m.py:short": 2}
+    assert {name.split(":")[0] for name in LONG_FUNCTIONS} <= {str(p.relative_to(PKG)) for p in MODULES}
+
+
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
-def test_module_is_at_most_400_lines(path):
-    assert len(path.read_text().splitlines()) <= 400
+def test_no_function_is_over_60_lines(path):
+    long = {name: n for name, n in function_lengths(path).items()
+            if n > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS}
+    assert not long, (f"over {MAX_FUNCTION_LINES} lines (docstring not counted): {long}; split by idea, "
+                      f"or name a table in LONG_FUNCTIONS with its reason")
 
 
 @pytest.mark.parametrize("path", [p for p in MODULES if p.name != "rundir.py"], ids=lambda p: str(p.relative_to(PKG)))
@@ -129,3 +179,42 @@ def test_every_dotted_name_in_the_package_resolves():
     assert len(REFS) > 100
     wrong = [f"{p.relative_to(PKG)}: {ref} ({why})" for p, ref in REFS if (why := _resolve(ref))]
     assert not wrong, "\n".join(wrong)
+
+
+def _contract(name_starts: str) -> dict:
+    """The import-linter contract whose name starts so, from pyproject.toml."""
+    import tomllib
+    contracts = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    [found] = [c for c in contracts if c["name"].startswith(name_starts)]
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """The package's import graph as import-linter sees it (grimp: every import statement,
+    those inside functions too)."""
+    import grimp
+    return grimp.build_graph("hpc_train", include_external_packages=True, cache_dir=None)
+
+
+def _reaches_torch(graph, module: str) -> bool:
+    return any(x in graph.modules and graph.find_shortest_chain(importer=module, imported=x)
+               for x in ("torch", "torchdata"))
+
+
+def test_every_torch_free_module_is_in_the_torch_free_contract(graph):
+    """The contract's list is derived, not hand-kept: a module that imports no torch, directly or
+    through another, is listed, so the contract keeps it so."""
+    contract = _contract("Torch-free modules stay torch-free")
+    listed = set(contract["source_modules"])
+    free = {m for m in graph.modules if m.startswith("hpc_train") and not _reaches_torch(graph, m)}
+    assert len(free) > 40
+    assert not free - listed, f"torch-free but not in the contract's source_modules: {sorted(free - listed)}"
+
+
+def test_the_login_side_is_forbidden_every_torch_module_of_ckpt(graph):
+    contract = _contract("The login side is torch-free")
+    torch_ckpt = {m for m in graph.modules if m.startswith("hpc_train.ckpt.") and _reaches_torch(graph, m)}
+    assert {"hpc_train.ckpt.save", "hpc_train.ckpt.local"} <= torch_ckpt
+    missing = torch_ckpt - set(contract["forbidden_modules"])
+    assert not missing, f"ckpt modules with torch that the login contract does not forbid: {sorted(missing)}"

@@ -24,9 +24,12 @@ import io
 import os
 import stat
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
 
 from hpc_train.errors import CheckpointError
 
@@ -36,7 +39,7 @@ ALGORITHMS = (CRC32C, CRC32)
 CHUNK = 4 << 20            # read 4 MiB at a time: whole shards would double peak memory
 
 
-def extend(crc: int, data: Any, algorithm: str = CRC32C) -> int:
+def extend(crc: int, data: ReadableBuffer, algorithm: str = CRC32C) -> int:
     """``crc`` extended by ``data`` (bytes, or any buffer: a memoryview is summed in place)."""
     if algorithm == CRC32:
         return zlib.crc32(data, crc)
@@ -107,7 +110,7 @@ def file_checksum(path: Path, algorithm: str = CRC32C) -> str:
         return hexdigest(sum_reads(lambda size, _: f.read(size), algorithm=algorithm)[0])
 
 
-def record_problem(sums: Any, files: dict[str, Any]) -> str | None:
+def record_problem(sums: object, files: Mapping[str, object]) -> str | None:
     """What is wrong with a commit record's ``checksums`` field, if anything."""
     if not isinstance(sums, dict) or sums.get("algorithm") not in ALGORITHMS or not isinstance(sums.get("files"), dict):
         return f"checksums is not a {' or '.join(ALGORITHMS)} record"
@@ -158,7 +161,7 @@ class CheckedItem(io.RawIOBase):
         self.pos = max(0, base + offset)
         return self.pos
 
-    def readinto(self, b: Any) -> int:
+    def readinto(self, b: WriteableBuffer) -> int:
         view = memoryview(b).cast("B")
         n = min(view.nbytes, self.length - self.pos)
         got = 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ _FREE_ON_RESUME = ("job.", "run_dir", "log.", "dist.backend", "dist.timeout_s", 
                    "dist.threads_per_rank", "checkpoint.", "train.script_signal")
 
 
-def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list[str]]:
+def changes_on_resume(old: Mapping[str, object], new: Config) -> tuple[list[str], list[str]]:
     """(refused, applied): ``section.key: old -> new`` for each field a resume would change.
 
     Refused changes make the checkpoint unloadable (another model, optimizer or strategy).
@@ -37,8 +38,8 @@ def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list
     config and resume: a lower lr, more steps); the built-in trainer re-applies the optimizer's
     hyperparameters after loading, since the checkpoint carries the old ones.
     """
-    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def flat(d: Mapping[str, object], prefix: str = "") -> dict[str, object]:
+        out: dict[str, object] = {}
         for k, v in d.items():
             if isinstance(v, dict):
                 out.update(flat(v, f"{prefix}{k}."))
@@ -47,7 +48,8 @@ def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list
         return out
     # A key the old config lacks (a field added since it was written) had its default then.
     before, after = {**flat(Config().to_dict()), **flat(old)}, flat(new.to_dict())
-    refused, applied = [], []
+    refused: list[str] = []
+    applied: list[str] = []
     for key in sorted(set(before) | set(after)):
         if before.get(key) == after.get(key) or key.startswith(_FREE_ON_RESUME) or _same_code(key, before, after):
             continue
@@ -56,21 +58,27 @@ def changes_on_resume(old: dict[str, Any], new: Config) -> tuple[list[str], list
     return refused, applied
 
 
-def _same_code(key: str, before: dict[str, Any], after: dict[str, Any]) -> bool:
+def _same_code(key: str, before: Mapping[str, object], after: Mapping[str, object]) -> bool:
     """Whether ``key`` (flat) names the code, whose changes :func:`code_change` judges: only a
     script moved to another directory is left to show as a change (it applies)."""
     if key not in _CODE:
         return False
     old, new = before.get(key) or "", after.get(key) or ""
-    return key == "train.fn" or not (old and new) or os.path.realpath(old) == os.path.realpath(new)
+    return key == "train.fn" or not (old and new) or os.path.realpath(str(old)) == os.path.realpath(str(new))
 
 
-def _code(d: dict[str, Any], signature: dict[str, Any] | None, is_new: bool) -> tuple[str, str] | None:
+def _section(d: Mapping[str, object], name: str) -> Mapping[str, object]:
+    """A section of a config read back from YAML; {} when absent or not a mapping (hand-edited)."""
+    section = d.get(name)
+    return section if isinstance(section, dict) else {}
+
+
+def _code(d: Mapping[str, object], signature: Mapping[str, object] | None, is_new: bool) -> tuple[str, str] | None:
     """(kind, what) of the code a config trains with: a script by its file, a function by its
     import path, the built-in trainer by its model. None: an old run directory that names no
     code and whose checkpoints carry no model signature (an own program of an hpc_train that did
     not record the script): nothing to compare."""
-    train, model = d.get("train") or {}, d.get("model") or {}
+    train, model = _section(d, "train"), _section(d, "model")
     if train.get("script"):
         return "script", str(train["script"])
     if train.get("fn"):
@@ -86,8 +94,8 @@ def _describe(code: tuple[str, str]) -> str:
         f" (model {what})" if kind == "builtin" else f" {what}")
 
 
-def code_change(old: dict[str, Any], new: dict[str, Any],
-                old_signature: dict[str, Any] | None) -> tuple[str, str] | None:
+def code_change(old: Mapping[str, object], new: Mapping[str, object],
+                old_signature: Mapping[str, object] | None) -> tuple[str, str] | None:
     """(old, new) descriptions when ``new`` trains with other code than the run directory's
     config ``old`` (``old_signature``: the model its checkpoints record, if any), else None.
     A script is the same script under the same file name: a project directory copied or moved
@@ -108,8 +116,8 @@ def _ways_out(run_dir: Path, launched: bool) -> str:
     if launched:
         return (f"give another --run-dir (add --resume {run_dir} to start from its checkpoints), or --resume none "
                 f"to start over here (its checkpoints are moved aside)")
-    return (f"set HPC_TRAIN_RUN_DIR to another directory (add HPC_TRAIN_RESUME={run_dir} to start from its "
-            f"checkpoints), or HPC_TRAIN_RESUME=none to start over here (its checkpoints are moved aside)")
+    return (f"set {rundir.RUN_DIR_ENV} to another directory (add {rundir.RESUME_ENV}={run_dir} to start from its "
+            f"checkpoints), or {rundir.RESUME_ENV}=none to start over here (its checkpoints are moved aside)")
 
 
 def _saved_signature(run_dir: Path) -> dict[str, Any] | None:
@@ -120,7 +128,7 @@ def _saved_signature(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
-def _old_config(run_dir: Path) -> dict[str, Any] | None:
+def _old_config(run_dir: Path) -> dict[str, object] | None:
     try:
         old = yaml.safe_load((Path(run_dir) / rundir.CONFIG).read_text()) or {}
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
@@ -145,7 +153,8 @@ def check_resume_changes(run_dir: Path, new: Config, warn, launched: bool = True
     refused, applied = changes_on_resume(old, new)
     if refused:
         tail = ("Use the original values, or a new --run-dir (or --resume none)" if launched else
-                "Use the original values, or set HPC_TRAIN_RUN_DIR to another directory (or HPC_TRAIN_RESUME=none)")
+                f"Use the original values, or set {rundir.RUN_DIR_ENV} to another directory "
+                f"(or {rundir.RESUME_ENV}=none)")
         raise UsageError(f"{run_dir} was trained with another config, which its checkpoints cannot load into: "
                          f"{'; '.join(refused)}. {tail}")
     for line in applied:
@@ -160,12 +169,13 @@ def check_finished(run_dir: Path, new: Config, launched: bool = True) -> None:
     if old is None:
         return
     how = ("use --resume none to start over, or another --run-dir" if launched else
-           "set HPC_TRAIN_RESUME=none to start over, or HPC_TRAIN_RUN_DIR to another directory")
+           f"set {rundir.RESUME_ENV}=none to start over, or {rundir.RUN_DIR_ENV} to another directory")
     change = code_change(old, new.to_dict(), _saved_signature(run_dir))
     if change:
         raise UsageError(f"{run_dir} holds a finished run of {change[0]}; this run is {change[1]}: {how}")
-    train = old.get("train") or {}
-    before, after = [str(a) for a in train.get("args") or []], list(new.train.args)
+    train = _section(old, "train")
+    args = train.get("args")
+    before, after = [str(a) for a in args] if isinstance(args, list) else [], list(new.train.args)
     if train.get("script") and new.train.script and before != after:
         raise UsageError(f"{run_dir} holds a finished run of {Path(new.train.script).name} with arguments "
                          f"[{shlex.join(before)}]; these are [{shlex.join(after)}]: {how}")

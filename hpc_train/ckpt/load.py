@@ -64,22 +64,7 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
     if single or "layout" in info.record:
         mine = _load_local_item(state, kinds, path, info.record, rank, world_size, checks)
     elif dcp_st := dcp_state(state, kinds):
-        no_dist = not (dist.is_initialized() and world_size > 1)
-        try:
-            reader = SafeReader(str(path), checks)
-            reader.read_metadata()    # checked before DCP reads it (see SafeReader)
-            dcp.load(dcp_st, storage_reader=reader, planner=SafePlanner(), process_group=None, no_dist=no_dist)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
-            # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
-            w = why(e)
-            hint = " (does the model match the one it was saved with?)" if "mismatch" in w else ""
-            raise CheckpointError(f"{w}{hint}") from None
-        for k, kind in kinds.items():
-            if kind == "module":
-                set_model_state_dict(state[k], dcp_st[k])
-        for k, kind in kinds.items():
-            if kind == "optimizer":
-                set_optimizer_state_dict(owner_module(state, kinds, k), state[k], dcp_st[k])
+        _load_dcp(state, kinds, dcp_st, path, world_size, checks)
     app = safe_torch_load(path / APP_FILE, checks)
     for k, kind in kinds.items():
         if kind == "stateful":
@@ -102,11 +87,40 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
             if kind in ("per_rank", "stateful"):
                 _no_draw_at_next_iter(state[k])
         return info.record
-    # Another world size: per-rank RNG streams do not carry over; loaders continue after the
-    # same number of samples where they know how (hpc_train.node.loader.ShardedLoader), else
-    # restart. Plain values: rank 0's for every rank; the same value on every rank when saved
-    # (the usual case) is exact, and those that differed are named.
-    differs = set(info.record.get("differs_by_rank", []))
+    _load_at_other_world_size(state, kinds, path, info.record, app, rank, world_size, checks)
+    return info.record
+
+
+def _load_dcp(state: dict[str, Any], kinds: dict[str, str], dcp_st: dict[str, Any], path: Path, world_size: int,
+              checks: Checks) -> None:
+    """Modules and optimizers through DCP (resharding), its errors made one line a user can act on."""
+    no_dist = not (dist.is_initialized() and world_size > 1)
+    try:
+        reader = SafeReader(str(path), checks)
+        reader.read_metadata()    # checked before DCP reads it (see SafeReader)
+        dcp.load(dcp_st, storage_reader=reader, planner=SafePlanner(), process_group=None, no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException!)
+        # wraps per-rank errors; its last line is the underlying error, e.g. a size mismatch.
+        w = why(e)
+        hint = " (does the model match the one it was saved with?)" if "mismatch" in w else ""
+        raise CheckpointError(f"{w}{hint}") from None
+    for k, kind in kinds.items():
+        if kind == "module":
+            set_model_state_dict(state[k], dcp_st[k])
+    for k, kind in kinds.items():
+        if kind == "optimizer":
+            set_optimizer_state_dict(owner_module(state, kinds, k), state[k], dcp_st[k])
+
+
+def _load_at_other_world_size(state: dict[str, Any], kinds: dict[str, str], path: Path, record: dict[str, Any],
+                              app: dict[str, Any], rank: int, world_size: int, checks: Checks) -> None:
+    """Plain and per-rank values saved at another world size: what can carry over does, the rest is named."""
+    # Per-rank RNG streams do not carry over; loaders continue after the same number of samples
+    # where they know how (hpc_train.node.loader.ShardedLoader), else restart. Plain values:
+    # rank 0's for every rank; the same value on every rank when saved (the usual case) is
+    # exact, and those that differed are named.
+    saved = record.get("world_size")
+    differs = set(record.get("differs_by_rank", []))
     for k, kind in kinds.items():
         if kind == "plain":
             state[k] = app[k]
@@ -122,7 +136,6 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
         else:
             log.warning("state[%r] cannot continue at world size %d from a checkpoint saved at %s; it "
                         "starts from its beginning", k, world_size, saved)
-    return info.record
 
 
 def _load_local_item(state: dict[str, Any], kinds: dict[str, str], path: Path, record: dict[str, Any], rank: int,

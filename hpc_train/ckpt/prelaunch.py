@@ -48,29 +48,29 @@ def prelaunch(run_dir: Path, cfg: Config, resume: str, *, warn: Callable[[str], 
     rundir.check_path(run_dir, "the run directory")
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"the run directory {run_dir} is a file, not a directory")
-    took = False
+    took: rundir.RunDirLock | None = None    # the lock, once this call has taken it
     # A directory that does not exist yet holds nothing to protect: it is made, and locked, only
     # once the checks pass.
     if lock is not None and lock.fd is None and run_dir.is_dir():
         lock.acquire()
-        took = True
+        took = lock
     try:
         plan = _decide(run_dir, cfg, resume, signature, warn, verify, requeued, launched)
         if plan.finished:
-            if took and not hold:
-                lock.release()
+            if took is not None and not hold:
+                took.release()
             return plan
         run_dir.mkdir(parents=True, exist_ok=True)
         if lock is not None and lock.fd is None:
             lock.acquire()
-            took = True
+            took = lock
         config_mod.write(cfg, run_dir)
     except BaseException:
-        if took:
-            lock.release()
+        if took is not None:
+            took.release()
         raise
-    if took and not hold:
-        lock.release()
+    if took is not None and not hold:
+        took.release()
     return plan
 
 

@@ -73,8 +73,24 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
             return item
     if shared_error is not None:
         raise shared_error
+    source, record = _load_shared(state, source, run_dir, rank=rank, world_size=world_size, device=device,
+                                  multi=multi, kinds=kinds, launched=launched)
+    if local is not None:
+        local.restored(source.step if source is not None else 0)
+    if source is not None:
+        saved = record.get("world_size")
+        log.info("resumed from %s, saved at world size %s%s (shared tier, %.2fs)", source.label, saved,
+                 "" if saved == world_size else f", now {world_size}: resharded", time.perf_counter() - t0)
+    return source
+
+
+def _load_shared(state: dict[str, Any], source: store.CkptInfo | None, run_dir: Path, *, rank: int,
+                 world_size: int, device: torch.device, multi: bool, kinds: Mapping[str, str],
+                 launched: bool) -> tuple[store.CkptInfo | None, dict[str, Any]]:
+    """Load ``source`` or the next older one that loads everywhere: ranks that fell back alone would hang."""
     record: dict[str, Any] = {}
     tried: list[tuple[int, str]] = []     # (step, why it did not load), for the error if none does
+    is_main = rank == 0
     while source is not None:
         error: BaseException | None = None
         try:
@@ -101,13 +117,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
                 raise error
             raise CheckpointError(_none_loads(source.path.parent, tried, launched)) from None
         source = older
-    if local is not None:
-        local.restored(source.step if source is not None else 0)
-    if source is not None:
-        saved = record.get("world_size")
-        log.info("resumed from %s, saved at world size %s%s (shared tier, %.2fs)", source.label, saved,
-                 "" if saved == world_size else f", now {world_size}: resharded", time.perf_counter() - t0)
-    return source
+    return source, record
 
 
 def _local_allowed(spec: str, requeued: bool) -> bool:

@@ -38,7 +38,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from hpc_train import rundir
 from hpc_train.ckpt import checksum
@@ -81,11 +81,11 @@ def ckpt_root(run_dir: Path) -> Path:
     return Path(run_dir) / rundir.CHECKPOINTS
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)   # json true is an int to isinstance
 
 
-def _record_problem(record: Any, step: int) -> str | None:
+def _record_problem(record: object, step: int) -> str | None:
     """What is wrong with a parsed commit record's fields, if anything. Every field used later
     is checked here, so a hand-edited or rotted record is skipped, never a traceback."""
     if not isinstance(record, dict):
@@ -204,7 +204,7 @@ def newest_complete(run_dir: Path, warn=None, verify: bool = False, below: int |
     under ``below`` if given; warns about each newer one it passes over. Inspects newest first and
     stops at the one it returns: an inspection stats every file (two per rank)."""
     for p in _step_dirs(run_dir):
-        if below is not None and int(_STEP_RE.match(p.name).group(1)) >= below:
+        if below is not None and (m := _STEP_RE.match(p.name)) and int(m.group(1)) >= below:   # m: always
             continue
         info = inspect(p)
         problem = verify_checksums(info) if verify else info.problem

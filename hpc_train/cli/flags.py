@@ -17,6 +17,7 @@ import argparse
 import collections
 import difflib
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 
 from hpc_train.errors import UsageError, show
@@ -42,7 +43,7 @@ def _guess(flag: str, own: list[str]) -> str | None:
     return names[match[0]] if match else None
 
 
-def _elsewhere(flag: str, command: str, commands: dict[str, argparse.ArgumentParser]) -> str | None:
+def _elsewhere(flag: str, command: str, commands: Mapping[str, argparse.ArgumentParser]) -> str | None:
     """One line for another launching command's option given to this one, else None."""
     if command not in _LAUNCHERS:
         return None
@@ -57,7 +58,7 @@ def _elsewhere(flag: str, command: str, commands: dict[str, argparse.ArgumentPar
     return line
 
 
-def refuse_stray(parser: argparse.ArgumentParser, commands: dict[str, argparse.ArgumentParser],
+def refuse_stray(parser: argparse.ArgumentParser, commands: Mapping[str, argparse.ArgumentParser],
                  args: argparse.Namespace, extra: list[str], argv: list[str], rest: list[str]) -> None:
     """Raise :class:`UsageError` for ``extra``, the arguments no option took (as typed in
     ``argv``, before ``--``; ``rest``: after it). ``parser``: the command's own (a leaf of

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
+from typing import NoReturn
 
 from hpc_train.errors import EXIT_USAGE, UsageError
 from hpc_train.login.args import load
 
 
 class _Parser(argparse.ArgumentParser):
-    commands: dict[str, argparse.ArgumentParser] = {}   # a parser's subcommands, by name
+    commands: Mapping[str, argparse.ArgumentParser] = {}   # a parser's subcommands, by name
 
     def __init__(self, *args, **kwargs) -> None:
         # A prefix is never an option: `--np 2` taken for `--nproc 2` is a guess made silently,
@@ -18,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:  # argparse's own exit code is 2 too; keep one line
+    def error(self, message: str) -> NoReturn:  # argparse's own exit code is 2 too; keep one line
         raise UsageError(f"{self.prog}: {message}")
 
     def print_help(self, file=None) -> None:
@@ -67,7 +69,7 @@ def _add_resource_args(p: argparse.ArgumentParser) -> None:
 
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     ap = _Parser(prog="python -m hpc_train",
                  description="Take a PyTorch training job from a laptop to a multi-node Slurm cluster.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

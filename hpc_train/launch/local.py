@@ -66,10 +66,10 @@ def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str, port: int,
     launched = f"{process_start_time():.3f}"   # the goodput ledger counts start-up from here
     procs: list[subprocess.Popen] = []
     for rank in range(nproc):
-        env = dict(os.environ, HPC_TRAIN_LAUNCHER="local", HPC_TRAIN_LAUNCHED_AT=launched, RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
-                   HPC_TRAIN_RESUME=resume)
+        env = {**os.environ, rundir.LAUNCHER_ENV: "local", rundir.LAUNCHED_AT_ENV: launched,
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+               "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+               rundir.RESUME_ENV: resume}
         # Slurm variables would make a worker think it is a Slurm task of some other job.
         for k in [k for k in env if k.startswith("SLURM_")]:
             del env[k]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import Any
+from collections.abc import Mapping
 
 from hpc_train import config_local
 from hpc_train import threads as omp
@@ -27,11 +27,12 @@ from hpc_train.login import nodes
 from hpc_train.login.decide import AGAIN
 from hpc_train.login.scheduler import tasks_per_node
 
+Option = str | int | bool    # an #SBATCH option's value (True: a flag without one)
+
 
 def version() -> str:
-    """hpc_train's version, for the comments of a batch script. From the installed metadata, not
-    ``hpc_train.__version__``: the package's root imports the node side, which the login side
-    never loads."""
+    """hpc_train's version, for the comments of a batch script: the installed distribution's (what
+    pip put on the nodes' path), "unknown" for a checkout run without an install."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
     try:
@@ -40,14 +41,14 @@ def version() -> str:
         return "unknown"
 
 
-def options(job: JobSection, launcher: str = "srun") -> dict[str, Any]:
+def options(job: JobSection, launcher: str = "srun") -> dict[str, Option]:
     """Every ``#SBATCH`` option of the job, by its long name (True: a flag without a value).
     Under torchrun, one srun task per node starts the node's ranks, and gets their CPUs."""
     ranks = tasks_per_node(job)
     per_node = launcher == "torchrun"
     # torchrun forwards SIGTERM to its workers but dies of USR1/USR2: it gets TERM.
     signal = "TERM" if per_node else job.signal
-    opts: dict[str, Any] = {
+    opts: dict[str, Option] = {
         "job-name": job.name, "nodes": nodes.allocated_nodes(job), "ntasks-per-node": 1 if per_node else ranks,
         "cpus-per-task": job.cpus_per_task * (ranks if per_node else 1), "time": time_minutes(job.time),
         # No "B:": the signal goes to the srun steps (the ranks), job.signal_lead s before the limit.
@@ -77,7 +78,7 @@ def filename_pattern(path: object) -> str:
     return str(path).replace("%", "%%")
 
 
-def directives(opts: dict[str, Any]) -> list[str]:
+def directives(opts: Mapping[str, Option]) -> list[str]:
     """``#SBATCH`` lines; sbatch honours shell-style quotes in them."""
     return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}" for k, v in opts.items()]
 

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_train import rundir
 from hpc_train.config import JobSection
@@ -23,6 +24,9 @@ from hpc_train.records import requeue as requeue_rec
 from hpc_train.records import result as result_rec
 from hpc_train.records.ranks import StepId
 from hpc_train.records.requeue import Incarnation
+
+if TYPE_CHECKING:
+    from hpc_train.ckpt.store import CkptInfo
 
 BATCH_START_ENV = rundir.BATCH_START_ENV
 log = logging.getLogger("hpc_train")
@@ -68,16 +72,8 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     inc = Incarnation(target(env), _int(env, "SLURM_RESTART_COUNT"))
     step = StepId(env.get("SLURM_JOB_ID", ""), inc.restart, _int(env, ranks_rec.ATTEMPT_ENV))
     history = requeue_rec.read(run_dir)
-    pending, problem = requeue_rec.read_pending(run_dir)
-    if problem is not None:
-        # Written atomically by rank 0, so only outside hands damage it; it exists only after a
-        # stop asked for a requeue: this task's own requeue is the only safe reading.
-        note += f"{requeue_rec.PENDING} {problem}: taken as this task's stop request; "
-        pending = requeue_rec.Pending(inc.target, None, "", None, step.job, step.restart, step.attempt)
-    elif pending is not None and ((pending.job, pending.restart) != (step.job, step.restart)
-                                  or 0 < pending.attempt != step.attempt > 0):
-        note += f"{requeue_rec.PENDING} is an earlier step's (job {pending.job}, attempt {pending.attempt}): ignored; "
-        pending = None
+    pending, pending_note = _pending(run_dir, inc, step)
+    note += pending_note
     allocated = tuple(slurm.expand(env.get("SLURM_JOB_NODELIST", "")))
     first = job.nodes if slurm.guards_nodes(job) else (_int(env, "SLURM_JOB_NUM_NODES") or _int(env, "SLURM_NNODES")
                                                          or len(allocated) or job.nodes)
@@ -86,8 +82,8 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         # is the one rank 0's record names.
         rank0, _ = ranks_rec.read(run_dir, 0)
         step = StepId(step.job, step.restart, 0, rank0.launch if rank0 is not None else "-")
-    placed = [e for e in history.restarts_of(inc) if e.nodes is not None]
-    world = (len(placed[-1].nodes) if placed else first) * ranks_per_node
+    placed = [e.nodes for e in history.restarts_of(inc) if e.nodes is not None]
+    world = (len(placed[-1]) if placed else first) * ranks_per_node
     finished = result_rec.finished(run_dir)
     # Slurm is asked only when something is to be decided (a stop or a failure): one squeue, and
     # one sinfo for a job that outlives a lost node.
@@ -103,11 +99,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     past, past_why = (slurm.past_runs(inc.target) if history.unrecorded(inc) and status != EXIT_USAGE
                       else ((), ""))
     from hpc_train.ckpt import tiers
-    from hpc_train.ckpt.store import newest_complete
-    newest = newest_complete(run_dir)
-    saved_at = newest.record.get("time") if newest is not None else None
-    started = _int(env, BATCH_START_ENV)
-    own = isinstance(saved_at, (int, float)) and started > 0 and saved_at >= started
+    newest, own = _newest_checkpoint(run_dir, _int(env, BATCH_START_ENV))
     step_ranks = ranks_rec.read_step(run_dir, step, world)
     began = [r.started for r in step_ranks.values() if r is not None and r.started is not None]
     since = min(began) if began else float(_int(env, BATCH_START_ENV))
@@ -128,3 +120,27 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         # The items this node sees: on a cluster, its own node's and the copies it keeps.
         local_step=tiers.newest_step(tiers.local_items(run_dir, local_dir)) if asks and local_dir is not None else None)
     return inputs, history
+
+
+def _pending(run_dir: Path, inc: Incarnation, step: StepId) -> tuple[requeue_rec.Pending | None, str]:
+    """The stop request this step left, if any, and a note: a damaged or an earlier step's one must not decide."""
+    pending, problem = requeue_rec.read_pending(run_dir)
+    if problem is not None:
+        # Written atomically by rank 0, so only outside hands damage it; it exists only after a
+        # stop asked for a requeue: this task's own requeue is the only safe reading.
+        return (requeue_rec.Pending(inc.target, None, "", None, step.job, step.restart, step.attempt),
+                f"{requeue_rec.PENDING} {problem}: taken as this task's stop request; ")
+    if pending is not None and ((pending.job, pending.restart) != (step.job, step.restart)
+                                or 0 < pending.attempt != step.attempt > 0):
+        return None, (f"{requeue_rec.PENDING} is an earlier step's (job {pending.job}, "
+                      f"attempt {pending.attempt}): ignored; ")
+    return pending, ""
+
+
+def _newest_checkpoint(run_dir: Path, batch_start: int) -> tuple[CkptInfo | None, bool]:
+    """The newest complete checkpoint, and whether this job saved it (saved after its batch shell started)."""
+    from hpc_train.ckpt.store import newest_complete
+    newest = newest_complete(run_dir)
+    saved_at = newest.record.get("time") if newest is not None else None
+    own = isinstance(saved_at, (int, float)) and batch_start > 0 and saved_at >= batch_start
+    return newest, own

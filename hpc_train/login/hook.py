@@ -23,6 +23,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from hpc_train import rundir
 from hpc_train.login.decide import AGAIN, Decision, decide
 from hpc_train.login.gather import gather
 from hpc_train.records import requeue as requeue_rec
@@ -78,7 +79,7 @@ def act(run_dir: Path, d: Decision, history: RequeueState, target: str, restart:
     if d.action == "in_place":
         assert d.restart is not None
         requeue_rec.write(run_dir, history.restarted(d.restart), warn)
-        lines = [f"export HPC_TRAIN_RESUME={shlex.quote(d.next_resume or 'latest')}"]
+        lines = [f"export {rundir.RESUME_ENV}={shlex.quote(d.next_resume or 'latest')}"]
         if d.next_nodes is not None:
             lines.append(f"step_nodes={shlex.quote(d.next_nodes)}")
         return d.message, d.exit_code, lines

@@ -11,8 +11,9 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from hpc_train import rundir
 from hpc_train.errors import UsageError
@@ -71,11 +72,15 @@ def _budget_line(run_dir: Path, unread: list[str]) -> str:
     return f"requeues: {text}"
 
 
-def _slowest(run_dir: Path, spread: dict) -> str:
+def _is_number(v: object) -> TypeGuard[float]:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _slowest(run_dir: Path, spread: Mapping[str, object]) -> str:
     """The slowest rank at the newest gathering of the ranks' own step times (issue 31)."""
     from hpc_train.records import ranks
     r, worst, median = spread.get("straggler_slowest_rank"), spread.get("straggler_max_s"), spread.get("straggler_median_s")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (r, worst, median)):
+    if not (_is_number(r) and _is_number(worst) and _is_number(median)):
         return "slowest rank: unknown (the spread record is not numbers)"
     rec, _ = ranks.read(run_dir, int(r)) if 0 <= r < 1 << 20 else (None, None)
     return (f"slowest rank at step {spread['step']}: rank {int(r)} on {rec.node if rec else 'an unknown node'}, "
@@ -294,13 +299,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
     try:
         while True:
             if path.is_file():
-                with path.open(errors="replace") as f:
-                    f.seek(pos)
-                    while chunk := f.read(_PIECE):
+                with path.open(errors="replace") as log:
+                    log.seek(pos)
+                    while chunk := log.read(_PIECE):
                         sys.stdout.write(chunk)
                         sys.stdout.flush()
                         delay = 0.2
-                    pos = f.tell()
+                    pos = log.tell()
             if not ids and not chunk_pending(path, pos):
                 if rundir.busy(run_dir) is None:     # a local run that ended (or never ran): all read
                     return 0

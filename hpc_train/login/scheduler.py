@@ -15,7 +15,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from hpc_train.config import JobSection, time_minutes
 from hpc_train.records import jobs
@@ -48,7 +47,7 @@ def check_resources(job: JobSection) -> None:
     out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%G|%a"])
     if out.returncode != 0:
         raise UsageError(sinfo_failed(out.stderr + "\n" + out.stdout))
-    parts: dict[str, dict[str, Any]] = {}
+    parts: dict[str, dict[str, int]] = {}   # partition -> nodes, cpus, gpus (per node)
     default = None
     for line in out.stdout.split("\n"):
         if not line.strip():
@@ -116,7 +115,7 @@ def tasks_per_node(job: JobSection) -> int:
 
 
 # -- the run directory's record of its jobs (hpc_train.records.jobs) -------------------------
-def record_job(run_dir: Path, job_id: str, how: str, **extra: Any) -> None:
+def record_job(run_dir: Path, job_id: str, how: str, **extra: object) -> None:
     jobs.append(Path(run_dir), job_id, how, lambda m: print(f"hpc_train: warning: {m}", file=sys.stderr), **extra)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +135,9 @@ def dry_run_text(ex) -> str:
     return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 
-def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, config: str | os.PathLike | None = None,
-           overrides: list[str] = (), run_dir: str | os.PathLike | None = None, resume: str = "latest",
+def submit(target: Config | str | os.PathLike[str] | Callable[..., Any], *args: Any,
+           config: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (),
+           run_dir: str | os.PathLike[str] | None = None, resume: str = "latest",
            **job: Any):
     """Submit a config (object or YAML path) or any picklable callable; returns a submitit Job
     (:class:`hpc_train.login.executor.Job`: ``result()`` is rank 0's return value).
@@ -156,7 +157,7 @@ def submit(target: Config | str | os.PathLike | Callable[..., Any], *args: Any, 
             d = cfg.to_dict()
             d["job"].update(job)
             cfg = from_dict(d)
-    elif fn is not None:
+    elif callable(target):   # that is, fn is not None
         if not job.get("name"):
             extra = {"job": {**job, "name": getattr(fn, "__name__", "fn")}}
         cfg = load(config, list(overrides), extra)

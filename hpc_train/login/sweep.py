@@ -31,8 +31,8 @@ import json
 import re
 import shlex
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from hpc_train import rundir
 from hpc_train.login import scheduler
@@ -43,12 +43,13 @@ from hpc_train.errors import UsageError, closest, show
 
 FILE_KEYS = ("grid", "points", "seeds")
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
+Point = dict[str, object]    # one point of a sweep: {dotted config key: value as YAML gave it}
 
 
 # -- points --------------------------------------------------------------------------------
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flatten(d: Mapping[str, object], prefix: str = "") -> Point:
     """``{optim: {lr: x}}`` and ``{optim.lr: x}`` both become ``{"optim.lr": x}``."""
-    out: dict[str, Any] = {}
+    out: Point = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
@@ -58,7 +59,7 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def read_file(path: Path) -> dict[str, Any]:
+def read_file(path: Path) -> dict[str, object]:
     """A sweep file's mapping, read with the config's safe loader."""
     from hpc_train import config_yaml
     if not path.is_file():
@@ -75,20 +76,20 @@ def read_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def expand(spec: dict[str, Any], source: str) -> list[dict[str, Any]]:
+def expand(spec: Mapping[str, object], source: str) -> list[Point]:
     """grid x (plus) points, then x seeds -> one ``{dotted key: value}`` per point, in order."""
     grid, points, seeds = spec.get("grid"), spec.get("points"), spec.get("seeds")
-    base: list[dict[str, Any]] = []
+    base: list[Point] = []
     if grid is not None:
         if not isinstance(grid, dict) or not grid:
             raise UsageError(f"sweep {source}: grid is empty; give each key a list of values "
                              f"(e.g. grid: {{optim.lr: [0.01, 0.05]}})")
-        grid = _flatten(grid)
-        for key, values in grid.items():
+        axes: dict[str, list[object]] = {}
+        for key, values in _flatten(grid).items():
             if not isinstance(values, list) or not values:
                 raise UsageError(f"sweep {source}: grid {key} must be a non-empty list of values, got {show(values)}")
-        keys = list(grid)
-        base += [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+            axes[key] = values
+        base += [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
     if points is not None:
         if not isinstance(points, list) or not points or not all(isinstance(p, dict) and p for p in points):
             raise UsageError(f"sweep {source}: points must be a non-empty list of mappings of overrides "
@@ -109,7 +110,7 @@ def expand(spec: dict[str, Any], source: str) -> list[dict[str, Any]]:
     return base
 
 
-def from_args(items: list[str]) -> tuple[str, list[dict[str, Any]]]:
+def from_args(items: list[str]) -> tuple[str, list[Point]]:
     """``--sweep FILE.yaml`` or ``--sweep key=a,b`` (repeatable: the product) -> (source, points)."""
     files = [i for i in items if "=" not in i]
     if files:
@@ -127,27 +128,27 @@ def from_args(items: list[str]) -> tuple[str, list[dict[str, Any]]]:
     return "--sweep", expand({"grid": grid}, "--sweep")
 
 
-def _text(v: Any) -> str:
+def _text(v: object) -> str:
     return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
 
-def describe(point: dict[str, Any]) -> str:
+def describe(point: Mapping[str, object]) -> str:
     return " ".join(f"{k}={_text(v)}" for k, v in point.items())
 
 
-def set_items(point: dict[str, Any]) -> list[str]:
+def set_items(point: Mapping[str, object]) -> list[str]:
     """A point as ``--set`` items. Values go in as JSON, which the config's YAML reader takes
     as a quoted string (or a list): text such as ``a: b`` or ``#x`` cannot change meaning on the way."""
     return [f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in point.items()]
 
 
-def task_name(index: int, point: dict[str, Any], width: int) -> str:
+def task_name(index: int, point: Mapping[str, object], width: int) -> str:
     """``003-optim.lr=0.1,seed=2``: sortable, unique by its index, readable by its overrides."""
     label = _NAME_UNSAFE.sub("_", ",".join(f"{k}={_text(v)}" for k, v in point.items()))
     return f"{index:0{width}d}-{label[:100]}"
 
 
-def configs(args: argparse.Namespace, points: list[dict[str, Any]], source: str, sweep_dir: Path) -> list[Config]:
+def configs(args: argparse.Namespace, points: list[Point], source: str, sweep_dir: Path) -> list[Config]:
     """One validated Config per point: the command's config and ``--set``s, then the point, then flags."""
     from hpc_train.login.args import check_plugins_light, load as _load
     width = len(str(len(points) - 1))

@@ -59,7 +59,7 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
         raise UsageError(f"{sweep_dir} is not a sweep directory (no {MANIFEST}); give the --run-dir of a sweep")
     if rec is not None:
         problem = _manifest_problem(rec)
-    if problem is not None:
+    if rec is None or problem is not None:
         raise UsageError(f"{path} {problem}; it is the sweep's index of tasks, and cannot be read without it")
     return rec
 

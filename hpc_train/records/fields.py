@@ -5,18 +5,19 @@ each reader takes a parsed value through these and keeps the first problem it fi
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import TypeGuard
 
 
 class Bad(ValueError):
     """A field that is not what its record says it is; the message names the field."""
 
 
-def is_int(v: Any) -> bool:
+def is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def count(d: dict, key: str, default: int | None = None, lo: int = 0, hi: int = 2**31 - 1) -> int:
+def count(d: Mapping[str, object], key: str, default: int | None = None, lo: int = 0, hi: int = 2**31 - 1) -> int:
     """An integer in ``lo..hi`` (a count, a rank, a step)."""
     v = d.get(key, default)
     if not is_int(v) or not lo <= v <= hi:
@@ -24,11 +25,11 @@ def count(d: dict, key: str, default: int | None = None, lo: int = 0, hi: int = 
     return v
 
 
-def opt_count(d: dict, key: str, lo: int = 0) -> int | None:
+def opt_count(d: Mapping[str, object], key: str, lo: int = 0) -> int | None:
     return None if d.get(key) is None else count(d, key, lo=lo)
 
 
-def number(d: dict, key: str, default: float | None = None) -> float:
+def number(d: Mapping[str, object], key: str, default: float | None = None) -> float:
     """A finite number (a time, a duration)."""
     v = d.get(key, default)
     if not (is_int(v) or isinstance(v, float)) or not math.isfinite(v):
@@ -36,22 +37,22 @@ def number(d: dict, key: str, default: float | None = None) -> float:
     return float(v)
 
 
-def opt_number(d: dict, key: str) -> float | None:
+def opt_number(d: Mapping[str, object], key: str) -> float | None:
     return None if d.get(key) is None else number(d, key)
 
 
-def text(d: dict, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:
+def text(d: Mapping[str, object], key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:
     v = d.get(key, default)
     if not isinstance(v, str) or (choices and v not in choices):
         raise Bad(f"{key} is {v!r}, not " + (f"one of {', '.join(choices)}" if choices else "a string"))
     return v
 
 
-def opt_text(d: dict, key: str) -> str | None:
+def opt_text(d: Mapping[str, object], key: str) -> str | None:
     return None if d.get(key) is None else text(d, key)
 
 
-def names(d: dict, key: str) -> tuple[str, ...]:
+def names(d: Mapping[str, object], key: str) -> tuple[str, ...]:
     """A list of strings (node names)."""
     v = d.get(key, [])
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
@@ -59,7 +60,7 @@ def names(d: dict, key: str) -> tuple[str, ...]:
     return tuple(v)
 
 
-def flag(d: dict, key: str, default: bool = False) -> bool:
+def flag(d: Mapping[str, object], key: str, default: bool = False) -> bool:
     v = d.get(key, default)
     if not isinstance(v, bool):
         raise Bad(f"{key} is {v!r}, not true or false")

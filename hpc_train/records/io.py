@@ -10,20 +10,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TypeVar, overload
 
 from hpc_train.rundir import read_text, write_atomic
 
+T = TypeVar("T")
 
-def write_json(path: Path, obj: Any) -> None:
+
+def write_json(path: Path, obj: object) -> None:
     write_atomic(Path(path), json.dumps(obj, indent=2, default=str))
 
 
-_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
-               bool: "true/false", type(None): "null"}
+_TYPE_NAMES: dict[type, str] = {dict: "an object", list: "a list", str: "a string", int: "an integer",
+                                float: "a number", bool: "true/false", type(None): "null"}
 
 
-def read_json(path: Path, expect: type = dict) -> tuple[Any, str | None]:
+@overload
+def read_json(path: Path) -> tuple[dict[str, object] | None, str | None]: ...
+@overload
+def read_json(path: Path, expect: type[T]) -> tuple[T | None, str | None]: ...
+
+
+def read_json(path: Path, expect: type = dict) -> tuple[object, str | None]:
     """A JSON record of the run directory, taking whatever bytes are there: (value, None) when it
     parses and is an ``expect``; (None, None) when it does not exist; else (None, what is wrong:
     empty, not JSON, the wrong type, a directory in its place...). Every reader of a run

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hpc_train import rundir
 from hpc_train.records import io
@@ -27,14 +26,14 @@ class JobEntry:
     job_id: str
     submitted: float | None
     via: str
-    extra: dict[str, Any]
+    extra: dict[str, object]
 
 
 def path(run_dir: Path) -> Path:
     return Path(run_dir) / NAME
 
 
-def _entry(d: Any) -> JobEntry:
+def _entry(d: object) -> JobEntry:
     if not isinstance(d, dict):
         raise Bad(f"is {d!r}, not an object")
     rest = {k: v for k, v in d.items() if k not in ("job_id", "submitted", "via")}
@@ -56,7 +55,7 @@ def read(run_dir: Path) -> tuple[list[JobEntry], str | None]:
         return [], "has no list of jobs with a job_id each"
 
 
-def append(run_dir: Path, job_id: str, via: str, warn: Callable[[str], None], **extra: Any) -> None:
+def append(run_dir: Path, job_id: str, via: str, warn: Callable[[str], None], **extra: object) -> None:
     """Record a submitted job. A damaged record is kept aside (the job is submitted by now) and
     a new one started."""
     entries, problem = read(run_dir)

@@ -90,12 +90,12 @@ def path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / rundir.LOGS / DIR / f"rank-{rank}"
 
 
-def _parse(raw: dict, rank: int) -> RankRecord:
+def _parse(raw: Mapping[str, object], rank: int) -> RankRecord:
     ended = raw.get("ended")
-    if ended is not None and ended not in ENDINGS:
+    if not (ended is None or ended in ENDINGS):
         raise Bad(f"ended is {ended!r}, not one of {', '.join(ENDINGS)}")
     left = raw.get("left")
-    if left is not None and left != "stop":
+    if not (left is None or left == "stop"):
         raise Bad(f"left is {left!r}, not 'stop'")
     host = fields.text(raw, "host", "unknown host")
     return RankRecord(rank, fields.text(raw, "node", host), host, fields.opt_count(raw, "pid"), fields.text(raw, "job", ""),

@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from hpc_train import rundir
 from hpc_train.records import io
@@ -42,6 +43,7 @@ RESTART_CAUSES = ("failure", "straggler")   # why a step was started again in th
 BY = ("hpc_train", "outside")
 MAX_CHARGE = 2            # an in-place restart that made no progress counts twice
 _TARGET = re.compile(r"[0-9]{1,18}(_[0-9]{1,18})?")   # a job id, or ARRAYJOB_TASK
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class RequeueState:
     requeued_at: tuple[float, ...] = ()
     problems: tuple[str, ...] = ()     # what the reader set aside (named once; moved aside at the next write)
     unreadable_restarts: int = 0       # in-place entries that could not be read: each costs 1
-    _aside: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    _aside: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def count(self, cause: str) -> int:
         return sum(1 for e in self.events if e.requeued and e.cause == cause)
@@ -165,7 +167,7 @@ def path(run_dir: Path) -> Path:
     return Path(run_dir) / NAME
 
 
-def _event(d: Any) -> Requeue:
+def _event(d: object) -> Requeue:
     if not isinstance(d, dict):
         raise Bad(f"is {d!r}, not an object")
     return Requeue(fields.text(d, "key"), fields.text(d, "cause", choices=CAUSES), fields.opt_count(d, "step"),
@@ -173,7 +175,7 @@ def _event(d: Any) -> Requeue:
                    fields.text(d, "by", "hpc_train", choices=BY))
 
 
-def _restart(d: Any) -> InPlace:
+def _restart(d: object) -> InPlace:
     if not isinstance(d, dict):
         raise Bad(f"is {d!r}, not an object")
     nodes = fields.names(d, "nodes") if d.get("nodes") is not None else None
@@ -188,6 +190,28 @@ def _restart(d: Any) -> InPlace:
                    fields.opt_count(d, "world_before", lo=1), fields.opt_text(d, "error"), cause, swap)
 
 
+def _entries(raw: dict[str, object], key: str, parse: Callable[[object], T], problems: list[str],
+             aside: dict[str, object]) -> list[T]:
+    """The entries of the list ``raw[key]`` that ``parse`` takes; what it refuses (or a ``key``
+    that is no list) is named in ``problems`` and kept in ``aside[key]``."""
+    value = raw.get(key, [])
+    if not isinstance(value, list):
+        problems.append(f"{NAME}: {key} is {value!r}, not a list")
+        aside[key] = value
+        return []
+    good: list[T] = []
+    bad: list[object] = []
+    for i, entry in enumerate(value):
+        try:
+            good.append(parse(entry))
+        except Bad as e:
+            problems.append(f"{NAME}: {key}[{i}] {e}")
+            bad.append(entry)
+    if bad:
+        aside[key] = bad
+    return good
+
+
 def read(run_dir: Path) -> RequeueState:
     """The history, validated. A damaged file or entry is left out and named in ``problems``
     (and moved aside by the next :func:`write`); reading never fails and never changes a file."""
@@ -195,23 +219,11 @@ def read(run_dir: Path) -> RequeueState:
     if raw is None:
         return RequeueState(problems=(f"{NAME} {problem}",) if problem else (), _aside={"file": problem} if problem else {})
     problems: list[str] = []
-    aside: dict[str, Any] = {}
-    lists: dict[str, list] = {}
-    for key, parse in (("events", _event), ("in_place", _restart)):
-        value = raw.get(key, [])
-        if not isinstance(value, list):
-            problems.append(f"{NAME}: {key} is {value!r}, not a list")
-            aside[key] = value
-            value = []
-        good = []
-        for i, entry in enumerate(value):
-            try:
-                good.append(parse(entry))
-            except Bad as e:
-                problems.append(f"{NAME}: {key}[{i}] {e}")
-                aside.setdefault(key, []).append(entry)
-        lists[key] = good
-    unreadable = len(aside["in_place"]) if isinstance(aside.get("in_place"), list) else int("in_place" in aside)
+    aside: dict[str, object] = {}
+    events = _entries(raw, "events", _event, problems, aside)
+    in_place = _entries(raw, "in_place", _restart, problems, aside)
+    bad_restarts = aside.get("in_place")
+    unreadable = len(bad_restarts) if isinstance(bad_restarts, list) else int("in_place" in aside)
     counts = raw.get("counts", {})
     if not isinstance(counts, dict) or any(not isinstance(v, int) or isinstance(v, bool) or v < 0
                                            for v in counts.values()):
@@ -223,17 +235,17 @@ def read(run_dir: Path) -> RequeueState:
         aside["final"], final = final, None
     at = raw.get("requeued_at", [])
     times = [t for t in at if fields.is_int(t) or isinstance(t, float)] if isinstance(at, list) else []
-    return RequeueState(tuple(lists["events"]), tuple(lists["in_place"]), final,
+    return RequeueState(tuple(events), tuple(in_place), final,
                         tuple(float(t) for t in times if t == t and abs(t) != float("inf")),
                         tuple(problems), unreadable, aside)
 
 
-def _entry(e: Requeue | InPlace) -> dict[str, Any]:
+def _entry(e: Requeue | InPlace) -> dict[str, object]:
     d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in e.__dict__.items()}
     return {k: v for k, v in d.items() if v is not None or k in ("step", "restart")}
 
 
-def write(run_dir: Path, state: RequeueState, warn=None) -> None:
+def write(run_dir: Path, state: RequeueState, warn: Callable[[str], None] | None = None) -> None:
     """The one writer of ``requeue.json``. What the reader found damaged is first moved aside
     (``requeue.json.damaged-<time>``, with the reader's problems), named in one line."""
     if state._aside:

@@ -10,8 +10,8 @@ finished: only a finished run writes it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from hpc_train import rundir
 from hpc_train.records import io
@@ -38,7 +38,7 @@ def written_since(run_dir: Path, since: float) -> bool:
         return False
 
 
-def read(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+def read(run_dir: Path) -> tuple[dict[str, object] | None, str | None]:
     """The result: (values, None); (None, None) when the run is not finished; ({}, what is wrong)
     when it is finished but its record is damaged."""
     raw, problem = io.read_json(path(run_dir))
@@ -51,14 +51,14 @@ def read(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     return raw, None
 
 
-def steps(result: dict[str, Any]) -> int | None:
+def steps(result: Mapping[str, object]) -> int | None:
     try:
         return fields.opt_count(result, "steps")
     except Bad:
         return None
 
 
-def write(run_dir: Path, result: dict[str, Any]) -> None:
+def write(run_dir: Path, result: dict[str, object]) -> None:
     rundir.write_atomic(path(run_dir), json.dumps(result, indent=2, default=str))
 
 

@@ -175,13 +175,7 @@ class Trainer:
                 acc_stats = self._micro_step(x, y, sync, acc_stats)
                 if not sync:
                     continue
-                if cfg.optim.grad_clip:
-                    self.scaler.unscale_(self.optimizer)   # clip the true gradients, not the scaled ones
-                    nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-                self.scaler.step(self.optimizer)   # fp16: skipped when a gradient overflowed
-                self.scaler.update()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                self._optimizer_step()
                 st["step"] += 1
                 p.samples_seen += global_batch   # every batch is full (drop_last)
                 now = time.perf_counter()
@@ -204,17 +198,34 @@ class Trainer:
                 self._eval_and_log(epoch)
         if not stopped and cfg.train.eval and p.last_eval_step != st["step"]:   # max_steps ended mid-epoch
             self._eval_and_log(self.loader.epoch)
-        result = {"stopped": stopped, "stop_signal": run.stop.name if stopped else None,
-                  "train_loss": p.last_loss, "test_accuracy": p.last_eval_acc, "test_loss": p.last_eval_loss,
-                  "steps": st["step"], "epochs": self.loader.epochs_done, "wall_seconds": time.time() - self.t_start,
-                  "world_size": run.world_size, "effective_batch_size": global_batch,
-                  "total_steps": self.total_steps, "tb_dir": str(run.run_dir / rundir.TB), "progress": asdict(p)}
+        result = self._summary(stopped, global_batch)
         if not stopped:
             result = run.finish(result)
             result["checkpoint_saves"] = run.checkpoint_stats
             log.info("done: %d steps, %d epochs, test accuracy %.4f, final train loss %.4f, %.1fs", result["steps"],
                      result["epochs"], result["test_accuracy"], result["train_loss"], result["wall_seconds"])
         return result
+
+    def _optimizer_step(self) -> None:
+        """Apply the accumulated gradients once per global batch, through the AMP scaler, then clear them."""
+        clip = self.cfg.optim.grad_clip
+        if clip:
+            self.scaler.unscale_(self.optimizer)   # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.scaler.step(self.optimizer)   # fp16: skipped when a gradient overflowed
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _summary(self, stopped: bool, global_batch: int) -> dict[str, Any]:
+        """What ``fit`` returns (and ``Run.finish`` records) about this run, stopped or not."""
+        p, run = self.progress, self.run
+        return {"stopped": stopped, "stop_signal": run.stop.name if stopped else None,
+                "train_loss": p.last_loss, "test_accuracy": p.last_eval_acc, "test_loss": p.last_eval_loss,
+                "steps": self.state["step"], "epochs": self.loader.epochs_done,
+                "wall_seconds": time.time() - self.t_start, "world_size": run.world_size,
+                "effective_batch_size": global_batch, "total_steps": self.total_steps,
+                "tb_dir": str(run.run_dir / rundir.TB), "progress": asdict(p)}
 
     def _apply_hyperparameters(self) -> None:
         """After a restore: the config's optimizer hyperparameters win over the checkpoint's, so an
