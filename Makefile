@@ -9,7 +9,7 @@ RUN_DIR ?= runs/digits-$(shell date +%Y%m%d-%H%M%S)
 # process, as plain `pytest` runs (docs/development.md).
 TEST_WORKERS ?= 2
 
-.PHONY: run test venv bench clean
+.PHONY: run test test-fast venv bench clean
 
 # The first install downloads torch and the rest (about 2 minutes): pip's own progress is shown,
 # so a newcomer sees it working instead of a silent terminal.
@@ -30,7 +30,16 @@ run: $(STAMP)
 # test files run at a time (tests/conftest.py: a file stays on one worker, the Slurm tests all on one).
 test: $(STAMP)
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -ra --durations=20 $(PYTEST_ARGS)
+
+# The edit loop's tier (about 2 minutes): every test that starts no Slurm cluster and no training
+# processes (pure functions, records, decide, config, the CLI, renderers, stand-in Slurm commands),
+# plus the layers and the types. Left out: tests/slurm/ (marked slurm) and tests marked procs.
+test-fast: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slurm and not procs" -q --durations=10 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -315,7 +315,7 @@ def reports_gc(cfg, env, device):
     return {"ok": True}
 
 
-# -- tests/test_claims*.py: the README's claims, each through the public API ----------------------
+# -- tests/guarantees/test_claims*.py: the README's claims, each through the public API ----------------------
 #
 # ``claims_loop`` is a user's own loop on ``hpc_train.init()`` (README "Your own training code"),
 # driven by environment knobs so that one function serves several claims:

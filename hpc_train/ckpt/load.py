@@ -166,7 +166,7 @@ def _no_draw_at_next_iter(loader: Any) -> None:
     holds what the draw would give (its base seed), so the draw is undone, once. Hazard: this
     wraps torchdata's own ``_get_iterator`` (every iterator comes from it, ``state_dict()``'s
     too) on the instance; a torchdata release that renames it leaves the draw in place, which
-    ``tests/test_claims.py`` catches."""
+    ``tests/guarantees/test_claims.py`` catches."""
     if not type(loader).__module__.startswith("torchdata.") or not callable(getattr(loader, "_get_iterator", None)):
         return
     make = loader._get_iterator

@@ -36,7 +36,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     # Exact (module, name) pairs only. A module prefix is not enough: with pickle protocol 4 a
     # dotted name resolves attribute by attribute, so ("torch.distributed.checkpoint.filesystem",
     # "os.system") would reach os.system; and DCP's modules hold callables that write files or
-    # call torch.load(weights_only=False) (tests/test_ckpt_cli.py crafts such a .metadata).
+    # call torch.load(weights_only=False) (tests/cli/test_ckpt_commands.py crafts such a .metadata).
     _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                 ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),

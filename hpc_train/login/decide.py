@@ -1,6 +1,6 @@
 """What follows a job step, decided: a pure function from the gathered inputs to one decision.
 No torch, no file, no process here: :mod:`hpc_train.login.gather` reads the inputs once,
-:mod:`hpc_train.login.hook` acts. tests/test_decide.py holds the table and the invariants.
+:mod:`hpc_train.login.hook` acts. tests/login/test_decide.py holds the table and the invariants.
 
 The decisions, in order:
 

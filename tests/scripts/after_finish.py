@@ -1,5 +1,5 @@
 """A user's program that goes on after training (an evaluation, an upload), around the README's loop
-(own_loop.main); for tests/test_stop_handlers.py. It says on stderr which handler each stop signal
+(own_loop.main); for tests/node/test_stop_handlers.py. It says on stderr which handler each stop signal
 has after finish() (or after close(), when the run stopped). Knobs, from the environment:
 
 ``AFTER_HANDLERS=1``

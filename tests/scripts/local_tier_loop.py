@@ -1,4 +1,4 @@
-"""The README's loop for the local-tier tests (tests/test_checkpoint_local.py), under torchrun.
+"""The README's loop for the local-tier tests (tests/ckpt/test_local_tier.py), under torchrun.
 
 ``python local_tier_loop.py STEPS [KILL_AT]``: STEPS optimizer steps of a tiny model with dropout
 (so the RNG state matters) and a shuffled loader. With KILL_AT, rank 1 of the first attempt
@@ -9,7 +9,7 @@ place. With ``LOCAL_TIER_FLIP`` set, rank 1 first flips one bit of its newest lo
 ``LOCAL_TIER_LOSE_NODE``, rank 1 removes its node's whole local directory (a lost node's storage)
 and every rank is killed;
 with ``LOCAL_TIER_FLIP_COPY``, rank 0 flips a bit in its copy of rank 1's newest item; with
-``LOCAL_TIER_SLOW_WRITE`` (see tests/test_checkpoint_local.py), the loop does not wait for the
+``LOCAL_TIER_SLOW_WRITE`` (see tests/ckpt/test_local_tier.py), the loop does not wait for the
 local save in flight before the kill. Before
 the kill, each rank writes the steps its node's local tier holds to ``RUN_DIR/local-steps-R.json``
 (and, with copies, the steps of the copies it holds to ``copies-R.json``); at the end, rank 0
@@ -73,7 +73,7 @@ def main(steps: int, kill_at: int = 0) -> dict:
                     if os.environ.get("LOCAL_TIER_FLIP"):   # one bit of the newest item's tensor data
                         _flip(max((run._local.dir / f"step-{held[-1]}").glob("flat-*.bin"), key=lambda f: f.stat().st_size))
                 if run.rank == 1 or os.environ.get("LOCAL_TIER_LOSE_NODE"):
-                    # With two torchrun agents (tests/test_checkpoint_peer.py) every rank ends here, as
+                    # With two torchrun agents (tests/ckpt/test_peer_copies.py) every rank ends here, as
                     # srun's --kill-on-bad-exit ends every task of a step: each agent counts one failure,
                     # so both restart with the same TORCHELASTIC_RESTART_COUNT (an agent that restarts for
                     # the other's rejoining counts none, and the attempts' store prefixes would differ).

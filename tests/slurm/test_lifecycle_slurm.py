@@ -1,6 +1,6 @@
 """One lifecycle on Slurm's plain path: a user's ``train.py`` through ``hpc_train.init()``, started by
 a plain ``srun`` in the user's own batch script (no hpc_train launcher). The same guarantees as
-tests/test_lifecycle_matrix.py: busy, stop, goodput, no stale stop record, finished."""
+tests/guarantees/test_lifecycle_matrix.py: busy, stop, goodput, no stale stop record, finished."""
 
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ def test_the_same_error_twice_at_the_same_step_ends_the_job_with_it(slurm, tmp_p
     no progress since, there is no third attempt, in place or through the queue (issue 33: a
     deterministic failure was retried five times). The job ends FAILED with the error's line, in
     the batch output and in status. Nothing is deleted. (Budgets spent by a crash loop whose
-    errors differ: tests/test_in_place.py, the real hook in a real batch shell.)"""
+    errors differ: tests/login/test_hook_in_place.py, the real hook in a real batch shell.)"""
     run_dir = tmp_path / "job"
     (run_dir / "checkpoints").mkdir(parents=True)
     kept = run_dir / "checkpoints" / "kept.txt"
@@ -262,7 +262,7 @@ def _assert_recovered_in_place(slurm, job: str, run_dir: Path, steps: int, resta
 
 def test_stopped_rank_is_named_with_its_stack_and_restarted_in_place(slurm, tmp_path):
     """A rank that stops responding on another node (SIGSTOP, a real frozen process), with the
-    default dist.timeout_s (600 s) and the floor lowered to 5 s (tests/test_reliability.py runs the
+    default dist.timeout_s (600 s) and the floor lowered to 5 s (tests/launch/test_launcher_faults.py runs the
     default floor): rank 0's hang watch (issue 32) names it from its own stalled step and the
     silent heartbeat, not after half of dist.timeout_s; the frozen
     rank's stack reaches its log through Slurm, and a new step in the same allocation resumes and
