@@ -171,18 +171,15 @@ def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, fl
     """The training lines of ``metrics.jsonl`` after ``keep_through_step`` (about to be dropped
     by a resume): (how many, the wall time they span from the kept step's line, the last line's
     time). Read before the Monitor truncates the file."""
+    from hpc_train.logs import records
     times: dict[int, float] = {}
-    try:
-        with open(metrics, errors="replace") as f:   # any bytes: a bad line is skipped below
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    step, t = int(rec["step"]), float(rec["time"])
-                    times[step] = max(t, times.get(step, t))   # an eval line comes after its step's
-                except (ValueError, KeyError, TypeError):
-                    continue
-    except OSError:
-        return 0, 0.0, None
+    for rec in records(metrics):   # the one reader: any bytes, a line that is not a record skipped
+        try:
+            step, t = rec["step"], float(rec["time"])
+        except (ValueError, KeyError, TypeError, OverflowError):
+            continue
+        if math.isfinite(t):
+            times[step] = max(t, times.get(step, t))   # an eval line comes after its step's
     later = [s for s in times if s > keep_through_step]
     if not later:
         return 0, 0.0, max(times.values(), default=None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,35 @@ def metric(line: str) -> dict[str, Any] | None:
 # A metrics record is a few hundred bytes. A longer "line" is damage, and is read in pieces of
 # this size so that a file with no newline in it is never held whole.
 _LINE_MAX = 1 << 20
+
+
+def records(path: Path, tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``, oldest first, by the one rule of :func:`metric`: a
+    line that is not a record (cut short by a kill, damaged by other hands, longer than any
+    record) is skipped. Read in pieces, whatever the file's size; ``tail_bytes``: only its last
+    so many bytes (the first line there, likely cut, is skipped). Nothing when the file is
+    missing or cannot be read."""
+    import os
+
+    from hpc_train.rundir import open_read
+    f, _ = open_read(path)
+    if f is None:
+        return
+    with f:
+        try:
+            size = os.fstat(f.fileno()).st_size
+            if tail_bytes is not None and size > tail_bytes:
+                f.seek(size - tail_bytes)
+                f.readline(_LINE_MAX)
+            overlong = False
+            while raw := f.readline(_LINE_MAX):
+                ended = raw.endswith(b"\n")
+                rec = None if overlong or not ended and len(raw) == _LINE_MAX else metric(raw.decode("utf-8", "replace"))
+                overlong = not ended
+                if rec is not None:
+                    yield rec
+        except OSError:
+            return
 
 
 def truncate_jsonl(path: Path, keep_through_step: int) -> None:

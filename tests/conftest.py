@@ -56,6 +56,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return FilesAndSlurm(config, log)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """tests/slurm/ first, the rest in their order: under ``make test``'s workers the cluster's tests
+    are one long unit on one worker, which must start at once while the other worker takes the
+    local files (started last, it would run alone at the end for most of its length)."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/slurm/"))
+
+
 _LOCKS = pytest.StashKey[tuple]()
 
 

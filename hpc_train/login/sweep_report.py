@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 from hpc_train import rundir
 from hpc_train.login import scheduler
 from hpc_train.errors import UsageError
+from hpc_train.logs import records
 from hpc_train.records import result as result_record
 
 # Ended without finishing: what --resubmit-failed takes. A PREEMPTED that is final was not requeued.
@@ -81,24 +81,9 @@ def is_sweep(path: Path) -> bool:
 
 
 def _records(run_dir: Path, tail: bool) -> list[dict[str, Any]]:
-    path = run_dir / rundir.METRICS
-    try:
-        with path.open("rb") as f:
-            if tail:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - _TAIL_BYTES))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:   # the first line of a tail may be cut: it fails to parse and is skipped
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    """The run's metrics records through their one reader (:func:`hpc_train.logs.records`); with
+    ``tail``, from the file's last bytes only."""
+    return list(records(run_dir / rundir.METRICS, tail_bytes=_TAIL_BYTES if tail else None))
 
 
 def _latest(run_dir: Path, metric: str, tail: bool) -> tuple[int | None, float | None]:
