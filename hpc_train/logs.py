@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hpc_train import rundir
 from hpc_train.errors import UsageError
@@ -68,6 +68,18 @@ def metric(line: str) -> dict[str, Any] | None:
 _LINE_MAX = 1 << 20
 
 
+def _lines(f: BinaryIO) -> Iterator[tuple[bytes, bool, dict[str, Any] | None, bool]]:
+    """Each line of an open ``metrics.jsonl``, read in pieces of at most :data:`_LINE_MAX`:
+    (the bytes, whether they end the line, the record they hold or None, whether they continue
+    an overlong line). A piece of an overlong line is never a record."""
+    overlong = False
+    while raw := f.readline(_LINE_MAX):
+        ended = raw.endswith(b"\n")
+        rec = None if overlong or not ended and len(raw) == _LINE_MAX else metric(raw.decode("utf-8", "replace"))
+        yield raw, ended, rec, overlong
+        overlong = not ended
+
+
 def records(path: Path, tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:
     """The records of a ``metrics.jsonl``, oldest first, by the one rule of :func:`metric`: a
     line that is not a record (cut short by a kill, damaged by other hands, longer than any
@@ -86,13 +98,7 @@ def records(path: Path, tail_bytes: int | None = None) -> Iterator[dict[str, Any
             if tail_bytes is not None and size > tail_bytes:
                 f.seek(size - tail_bytes)
                 f.readline(_LINE_MAX)
-            overlong = False
-            while raw := f.readline(_LINE_MAX):
-                ended = raw.endswith(b"\n")
-                rec = None if overlong or not ended and len(raw) == _LINE_MAX else metric(raw.decode("utf-8", "replace"))
-                overlong = not ended
-                if rec is not None:
-                    yield rec
+            yield from (rec for _, _, rec, _ in _lines(f) if rec is not None)
         except OSError:
             return
 
@@ -112,12 +118,10 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
         return
     if f is None:
         return
-    aside, damaged, overlong = None, 0, False
+    aside, damaged = None, 0
     with f, ExitStack() as stack:
         out = stack.enter_context(atomic_writer(path))
-        while raw := f.readline(_LINE_MAX):
-            ended = raw.endswith(b"\n")
-            rec = None if overlong or not ended and len(raw) == _LINE_MAX else metric(raw.decode("utf-8", "replace"))
+        for raw, ended, rec, overlong in _lines(f):
             if rec is None:
                 # Not a record; only a last line without its newline (cut by a kill) is no damage.
                 if overlong or raw.strip() and (ended or len(raw) == _LINE_MAX):
@@ -126,7 +130,6 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
                         aside_f = stack.enter_context(atomic_writer(aside))
                     aside_f.write(raw)
                     damaged += not overlong
-                overlong = not ended
                 continue
             # An eval at the resume step ran after that checkpoint; the resumed run repeats it.
             if rec["step"] < keep_through_step or (rec["step"] == keep_through_step and "eval_acc" not in rec):
