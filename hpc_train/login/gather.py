@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from hpc_train import rundir
 from hpc_train.config import JobSection
 from hpc_train.errors import EXIT_USAGE
-from hpc_train.login import nodes as slurm
+from hpc_train.login import nodes
 from hpc_train.login.decide import Budgets, Inputs, Nodes
 from hpc_train.records import ranks as ranks_rec
 from hpc_train.records import requeue as requeue_rec
@@ -74,8 +74,8 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     history = requeue_rec.read(run_dir)
     pending, pending_note = _pending(run_dir, inc, step)
     note += pending_note
-    allocated = tuple(slurm.expand(env.get("SLURM_JOB_NODELIST", "")))
-    first = job.nodes if slurm.guards_nodes(job) else (_int(env, "SLURM_JOB_NUM_NODES") or _int(env, "SLURM_NNODES")
+    allocated = tuple(nodes.expand(env.get("SLURM_JOB_NODELIST", "")))
+    first = job.nodes if nodes.guards_nodes(job) else (_int(env, "SLURM_JOB_NUM_NODES") or _int(env, "SLURM_NNODES")
                                                          or len(allocated) or job.nodes)
     if not step.attempt:
         # A batch script that does not count its steps (an older one, a user's own): this step
@@ -88,15 +88,15 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     # Slurm is asked only when something is to be decided (a stop or a failure): one squeue, and
     # one sinfo for a job that outlives a lost node.
     asks = not finished and status != EXIT_USAGE and (pending is not None or status != 0)
-    view = slurm.job_view(env.get("SLURM_JOB_ID", "")) if asks else slurm.JobView(None, None, "not asked")
+    view = nodes.job_view(env.get("SLURM_JOB_ID", "")) if asks else nodes.JobView(None, None, "not asked")
     node_view = None
-    if asks and slurm.guards_nodes(job):
-        states, why = slurm.node_states(allocated) if view.nodes is not None and allocated else (None, view.why)
+    if asks and nodes.guards_nodes(job):
+        states, why = nodes.node_states(allocated) if view.nodes is not None and allocated else (None, view.why)
         node_view = Nodes(job.nodes, job.min_nodes or job.nodes, allocated, env.get("SLURMD_NODENAME", ""),
                           view.nodes, states, why or view.why)
     # Earlier runs that went back to the queue without a requeue of the hook's (a script's own
     # scontrol requeue ended the batch shell before the hook ran): one sacct says what they were.
-    past, past_why = (slurm.past_runs(inc.target) if history.unrecorded(inc) and status != EXIT_USAGE
+    past, past_why = (nodes.past_runs(inc.target) if history.unrecorded(inc) and status != EXIT_USAGE
                       else ((), ""))
     from hpc_train.ckpt import tiers
     newest, own = _newest_checkpoint(run_dir, _int(env, BATCH_START_ENV))

@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpc_train import rundir
+from hpc_train import rundir, slurm
 from hpc_train.login.decide import AGAIN, Decision, decide
 from hpc_train.login.gather import gather
 from hpc_train.records import requeue as requeue_rec
@@ -33,17 +31,11 @@ __all__ = ["AGAIN", "act", "hook"]
 
 
 def scontrol_requeue(target: str) -> tuple[bool, str]:
-    """``scontrol requeue TARGET``: (it went through, scontrol's last line)."""
-    if shutil.which("scontrol") is None:
-        return False, "scontrol is not on PATH in the batch shell either"
+    """``scontrol requeue TARGET``: (it went through, what scontrol said or why it did not)."""
     if not target:
         return False, "no job id (SLURM_JOB_ID is not set)"
-    try:
-        out = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return False, "scontrol did not answer in 60 s"
-    lines = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
-    return out.returncode == 0, lines[-1].strip() if lines else f"exit {out.returncode}"
+    reply = slurm.scontrol("requeue", target)
+    return reply.known, reply.last if reply.known else reply.why
 
 
 def act(run_dir: Path, d: Decision, history: RequeueState, target: str, restart: int, now: float,

@@ -8,14 +8,13 @@ found among ``runs/*``). Scheduler calls are batched across every job shown (see
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeGuard
 
-from hpc_train import rundir
+from hpc_train import rundir, slurm
 from hpc_train.errors import UsageError
 from hpc_train.login import outcome, scheduler
 from hpc_train.logs import metrics_tail
@@ -341,8 +340,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     if not live:
         print(f"nothing to cancel: {', '.join(ids)} already ended")
         return 0
-    out = subprocess.run(["scancel", *live], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise UsageError(f"scancel failed: {out.stderr.strip()}")
+    out = slurm.scancel(*live)
+    if not out.known:
+        raise UsageError(f"{out.why}; cancel again once Slurm answers")
     print(f"cancelled {', '.join(live)}")
     return 0

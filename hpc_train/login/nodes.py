@@ -13,12 +13,12 @@ answer: an empty list of nodes would read as "every node gone".
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hpc_train import nodelist as nodelist_mod
+from hpc_train import slurm
 from hpc_train.config import JobSection, time_minutes
 from hpc_train.errors import UsageError
 
@@ -51,22 +51,6 @@ def expand(nodelist: str) -> list[str]:
         return []
 
 
-def _ask(cmd: list[str]) -> tuple[str | None, str]:
-    """(stdout, "") or (None, why it is unknown)."""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
-    except FileNotFoundError:
-        return None, f"{cmd[0]} is not on PATH"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{cmd[0]} did not answer ({type(e).__name__})"
-    if out.returncode != 0:
-        lines = [ln.strip() for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
-        return None, f"{cmd[0]} failed: {lines[-1] if lines else f'exit {out.returncode}'}"
-    if not out.stdout.strip():
-        return None, f"{cmd[0]} answered nothing"
-    return out.stdout, ""
-
-
 @dataclass(frozen=True)
 class JobView:
     """One ``squeue`` of the job: its nominal end (start + time limit: on preemption squeue's own
@@ -82,9 +66,10 @@ class JobView:
 def job_view(job_id: str) -> JobView:
     if not job_id:
         return JobView(None, None, "no job id (SLURM_JOB_ID)")
-    out, why = _ask(["squeue", "-h", "-j", job_id, "-o", "%S|%l|%N"])
-    if out is None:
-        return JobView(None, None, why)
+    reply = slurm.squeue("-h", "-j", job_id, "-o", "%S|%l|%N")
+    out = reply.out
+    if not out:     # unknown, or not listed: either way nothing known of it
+        return JobView(None, None, reply.why or "squeue does not list the job")
     start, limit, nodelist = (out.strip().splitlines()[0].split("|") + ["", "", ""])[:3]
     end = None
     if limit.upper() not in ("UNLIMITED", "INFINITE", "NOT_SET", ""):
@@ -98,9 +83,10 @@ def job_view(job_id: str) -> JobView:
 
 def node_states(hosts: Sequence[str]) -> tuple[dict[str, str] | None, str]:
     """Slurm's state of each host (one ``sinfo``), or None and why it is unknown."""
-    out, why = _ask(["sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N|%T"])
-    if out is None:
-        return None, why
+    reply = slurm.sinfo("-h", "-N", "-n", ",".join(hosts), "-o", "%N|%T")
+    if reply.out is None:
+        return None, reply.why
+    out = reply.out
     states = {}
     for line in out.splitlines():
         name, _, state = line.strip().partition("|")
@@ -145,5 +131,5 @@ def past_runs(target: str) -> tuple[tuple[PastRun, ...] | None, str]:
     """Every run of the job (an array task: ``A_I``), or None and why it is unknown (one ``sacct``)."""
     if not target:
         return None, "no job id (SLURM_JOB_ID)"
-    out, why = _ask(["sacct", "-n", "-P", "-X", "--duplicates", "-j", target, "-o", "State,ElapsedRaw,TimelimitRaw,End"])
-    return (None, why) if out is None else (parse_runs(out), "")
+    reply = slurm.sacct("-n", "-P", "-X", "--duplicates", "-j", target, "-o", "State,ElapsedRaw,TimelimitRaw,End")
+    return (None, reply.why) if reply.out is None else (parse_runs(reply.out), "")

@@ -9,13 +9,12 @@ backs off. No torch here.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc_train import slurm
 from hpc_train.config import JobSection, time_minutes
 from hpc_train.records import jobs
 from hpc_train.errors import UsageError, closest
@@ -25,31 +24,22 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 
 
 def require_slurm() -> None:
-    if shutil.which("sbatch") is None:
+    if not slurm.installed():
         raise UsageError("submit needs Slurm (no `sbatch` on PATH here). To train on this machine use "
                          "`python -m hpc_train run CONFIG --nproc N`; to try Slurm locally start a cluster "
                          "with `sudo slurm/devcluster.sh up` and put its shims on PATH "
                          "(`eval \"$(slurm/devcluster.sh env)\"`)")
 
 
-def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise UsageError(f"`{cmd[0]}` is not on PATH; is this a Slurm login node?") from None
-    except subprocess.TimeoutExpired:
-        raise UsageError(f"`{' '.join(cmd[:2])}` did not answer in {timeout:.0f}s; is slurmctld up?") from None
-
-
 def check_resources(job: JobSection) -> None:
     """Refuse what the cluster cannot run, before anything is submitted (one ``sinfo`` call)."""
     time_minutes(job.time)
-    out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%G|%a"])
-    if out.returncode != 0:
-        raise UsageError(sinfo_failed(out.stderr + "\n" + out.stdout))
+    out = slurm.sinfo("-h", "-o", "%P|%D|%c|%G|%a")
+    if out.out is None:
+        raise UsageError(sinfo_failed(out))
     parts: dict[str, dict[str, int]] = {}   # partition -> nodes, cpus, gpus (per node)
     default = None
-    for line in out.stdout.split("\n"):
+    for line in out.out.split("\n"):
         if not line.strip():
             continue
         name, nodes, cpus, gres, _avail = line.split("|")
@@ -89,10 +79,12 @@ _NO_CONFIG = ("Could not establish a configuration source", "fetch_config", "res
 _NO_ANSWER = ("Unable to contact slurm controller", "Connection refused", "Connection timed out")
 
 
-def sinfo_failed(text: str) -> str:
+def sinfo_failed(reply: slurm.Reply) -> str:
     """One line for a failed sinfo: several lines of its errors (a DNS lookup, then the config
     fetch, then the fatal one) are one cause, and the user needs that cause and what to do."""
-    said = [line.strip() for line in text.splitlines() if line.strip()]
+    said = reply.said
+    if not said:     # not on PATH, no answer in time, or nothing said
+        return f"{reply.why}; is this a Slurm login node, and is slurmctld up? nothing was submitted"
     last = next((line for line in reversed(said) if "fatal" in line), said[-1] if said else "no output")
     last = last if len(last) <= 200 else last[:200] + "..."
     if any(k in line for line in said for k in _NO_CONFIG):
@@ -106,8 +98,8 @@ def sinfo_failed(text: str) -> str:
 def max_array_size() -> int | None:
     """The cluster's MaxArraySize (one ``scontrol show config``): an array of N tasks needs
     N <= MaxArraySize (indices 0..N-1). None when it cannot be read."""
-    out = _run(["scontrol", "show", "config"])
-    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out.stdout, re.M)
+    out = slurm.scontrol("show", "config")
+    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out.out or "", re.M)
     return int(m.group(1)) if m else None
 
 def tasks_per_node(job: JobSection) -> int:
@@ -178,29 +170,10 @@ class Answer:
         return st if self.live(job_id) is False and st is not None and st.final else None
 
 
-# squeue's answer when asked about one job that has left the queue (slurm_load_job): not a failure.
-_NOT_QUEUED = "Invalid job id specified"
-
-
-def _ask(cmd: list[str], timeout: float = 30) -> tuple[str, str | None]:
-    """A query's output, and None; or "" and one line saying why it did not answer."""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise UsageError(f"`{cmd[0]}` is not on PATH; is this a Slurm login node?") from None
-    except subprocess.TimeoutExpired:
-        return "", f"{cmd[0]} did not answer in {timeout:.0f} s"
-    if out.returncode == 0:
-        return out.stdout, None
-    said = [line.strip() for line in (out.stderr + "\n" + out.stdout).splitlines() if line.strip()]
-    if cmd[0] == "squeue" and any(_NOT_QUEUED in line for line in said):
-        return "", None
-    return "", f"{cmd[0]} failed: {said[0][:300] if said else f'exit status {out.returncode}'}"
-
-
 def _squeue(answer: Answer, job_list: str, *flags: str) -> None:
-    text, answer.squeue_failed = _ask(["squeue", "-h", *flags, "-j", job_list, "-o", "%i|%T|%N|%M|%r"])
-    for line in text.splitlines():
+    reply = slurm.squeue("-h", *flags, "-j", job_list, "-o", "%i|%T|%N|%M|%r", empty_ok=True)
+    answer.squeue_failed = reply.why or None
+    for line in (reply.out or "").splitlines():
         jid, state, nodes, elapsed, reason = (line.split("|") + [""] * 5)[:5]
         answer.states[jid] = JobState(jid, state, nodes, elapsed, reason=reason)
 
@@ -208,10 +181,11 @@ def _squeue(answer: Answer, job_list: str, *flags: str) -> None:
 def _add_sacct(answer: Answer, job_list: str) -> None:
     """Restarts of the jobs squeue knows, and the final state of those it no longer lists.
     sacct --duplicates lists every run of a requeued job: the count is the restarts."""
-    text, answer.sacct_failed = _ask(["sacct", "-n", "-P", "-X", "--duplicates", "-j", job_list,
-                                      "-o", "JobID,State,NodeList,Elapsed,ExitCode"])
+    reply = slurm.sacct("-n", "-P", "-X", "--duplicates", "-j", job_list, "-o", "JobID,State,NodeList,Elapsed,ExitCode",
+                        empty_ok=True)
+    answer.sacct_failed = reply.why or None
     runs: dict[str, list[list[str]]] = {}
-    for line in text.splitlines():
+    for line in (reply.out or "").splitlines():
         f = line.split("|")
         if len(f) >= 5:
             runs.setdefault(f[0], []).append(f)

@@ -16,7 +16,6 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import shlex
 
-from hpc_train import rundir
+from hpc_train import rundir, slurm
 from hpc_train.records.requeue import pending_exists as requested
 from hpc_train.login import nodes, scheduler
 from hpc_train.config import Config, load
@@ -204,7 +203,7 @@ def refusal(rd: Path, resume: str = "latest") -> str | None:
     holder = rundir.busy(rd)
     if holder:
         return f"{rd} is in use by {holder}; wait for it to end, stop it, or use another --run-dir"
-    if scheduler.job_ids(rd) and shutil.which("squeue"):
+    if scheduler.job_ids(rd) and slurm.can_query():
         try:
             _refuse_active_job(rd)
         except UsageError as e:

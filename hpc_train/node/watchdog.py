@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hpc_train import rundir
+from hpc_train import rundir, slurm
 from hpc_train.node import beats
 from hpc_train.node.beats import BEAT_S
 from hpc_train.records import ranks
@@ -208,7 +208,6 @@ def ask_step_for_stacks(job_step: str) -> None:
     own thread ran this function's subprocess call: the step's error then named rank 0, lost,
     instead of the rank that hung."""
     import ctypes
-    import subprocess
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.signal.restype = ctypes.c_void_p
@@ -216,10 +215,7 @@ def ask_step_for_stacks(job_step: str) -> None:
     except (OSError, AttributeError):
         pass
     for sig in (str(int(DUMP_SIGNAL)), "CONT"):
-        try:
-            subprocess.run(["scancel", f"--signal={sig}", job_step], capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+        slurm.scancel(f"--signal={sig}", job_step)     # best effort: the step ends anyway
 
 
 def limit_for(timeout_s: float) -> float:

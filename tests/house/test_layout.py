@@ -218,3 +218,38 @@ def test_the_login_side_is_forbidden_every_torch_module_of_ckpt(graph):
     assert {"hpc_train.ckpt.save", "hpc_train.ckpt.local"} <= torch_ckpt
     missing = torch_ckpt - set(contract["forbidden_modules"])
     assert not missing, f"ckpt modules with torch that the login contract does not forbid: {sorted(missing)}"
+
+
+SLURM_COMMANDS = {"squeue", "sinfo", "sacct", "scontrol", "scancel", "sbatch", "srun", "sstat", "sattach"}
+
+
+def _slurm_commands(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of each Slurm command this module could run itself: a string constant that is
+    exactly a command's name, in a module that imports ``subprocess``, or as the argument of a
+    ``which`` call anywhere. A CLI subcommand or a launcher choice named ``sbatch``/``srun`` in a
+    module that starts no process is not a call; neither is the batch script's shell text."""
+    tree = ast.parse(path.read_text())
+    runs = any(isinstance(n, (ast.Import, ast.ImportFrom)) and "subprocess" in
+               ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]) for n in ast.walk(tree))
+    which = {id(a) for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) == "which" for a in n.args}
+    return sorted((n.lineno, n.value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in SLURM_COMMANDS
+                  and (runs or id(n) in which))
+
+
+def test_the_slurm_command_check_sees_an_argv_and_a_which(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('import subprocess\nsubprocess.run(["sacct", "-j", "1"])\n'
+                 'line = "timeout 60 srun --nodes=1"\n')
+    assert _slurm_commands(f) == [(2, "sacct")]
+    f.write_text('import shutil\nshutil.which("squeue")\nchoices = ("srun", "torchrun")\n')
+    assert _slurm_commands(f) == [(2, "squeue")]
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if p.name != "slurm.py" or p.parent != PKG],
+                         ids=lambda p: str(p.relative_to(PKG)))
+def test_slurm_is_called_from_one_module(path):
+    """Every squeue, sinfo, sacct, scontrol and scancel goes through hpc_train/slurm.py: one
+    timeout, one failure convention (a failure or an empty answer where one is needed is unknown)."""
+    assert not _slurm_commands(path), f"calls Slurm itself (use hpc_train.slurm): {_slurm_commands(path)}"
