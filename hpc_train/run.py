@@ -46,7 +46,7 @@ from hpc_train.errors import EXIT_STOPPED, UsageError
 from hpc_train.node import guard
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.session import Session
-from hpc_train.node.stops import Agreement, StopRequest, record_stop
+from hpc_train.node.stops import Agreement, StopRequest, Votes, record_stop
 from hpc_train.records import result as result_record, stop as stop_record
 
 log = logging.getLogger("hpc_train")
@@ -66,7 +66,7 @@ class Run:
         self.local_world_size, self.node_rank = env.local_world_size, env.node_rank
         self.is_main: bool = env.rank == 0
         self._multi = dist.is_initialized() and env.world_size > 1
-        self._agreement = Agreement(self._multi, self._flags)
+        self._agreement = Agreement(self._multi, lambda: self._votes().encode())
         from hpc_train.node.straggler import Stragglers
         self._stragglers = Stragglers.of(cfg, env, self._multi, self.run_dir)   # named, and swapped (job.*)
         self._agreement.on_last_bucket = self._stragglers.enter
@@ -115,6 +115,7 @@ class Run:
         """Let the per-step agreement ride on this DDP module's gradient all-reduce."""
         from torch.nn.parallel import DistributedDataParallel as DDP
         if isinstance(ddp, DDP):
+            self._local_tier()   # built here, not in the hook that reads its timer (file-system probes)
             self._agreement.attach(ddp)
             self._replicated = ddp.module
         return ddp
@@ -126,6 +127,7 @@ class Run:
         model's ``stages()``). Every strategy keeps the per-step stop agreement."""
         from hpc_train.node import strategies
         model = model.to(self.device)
+        self._local_tier()   # built before any strategy's hook reads its timer (see _votes)
         self._wrapped = strategies.wrap(model, self.config.dist.strategy, self.device, multi=self._multi,
                                         local_rank=self.local_rank, local_world_size=self.local_world_size,
                                         agreement=self._agreement, stages=stages)
@@ -229,14 +231,14 @@ class Run:
         """One record per checkpoint saved by this process (time, bytes, blocking): for reports."""
         return list(self._ckpt.stats) if self._ckpt is not None else []
 
-    def _flags(self) -> list[float]:
-        """Read by the step's agreement (under DDP in the backward's bucket-0 hook, before step_end):
-        a rank past it has every local save begun earlier written, copies included."""
-        timed = self._ckpt is not None and self._ckpt.due_by_time()
+    def _votes(self) -> Votes:
+        """This rank's votes, read by the step's agreement (under DDP in the backward's bucket-0
+        hook, before step_end): reads timers only, builds nothing. A rank past the agreement has
+        every local save begun earlier written, copies included (``settle`` waits for it)."""
         if self._local is not None:
             self._local.settle()
-        local = [float(self._local.due_by_time())] if self._local_tier() is not None else []   # its timer
-        return [float(self.stop.requested), float(timed), *local]
+        return Votes(stop=self.stop.requested, timed=self._ckpt is not None and self._ckpt.due_by_time(),
+                     local_timed=self._local is not None and self._local.due_by_time())
 
     def sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics) before a save or an eval
@@ -248,6 +250,21 @@ class Run:
         stop and on a timed save; saves when due. Returns True on a stop, once the checkpoint
         is committed and, under Slurm, the requeue requested: leave the loop."""
         kinds = self._kinds(state)
+        step = self._check_step(state)
+        agreed = self._agree(step)
+        self._last_state, self._prev_step = state, step
+        self._check_sums(step)
+        ledger = self._report.ledger()
+        if ledger is not None:
+            ledger.step(step)
+        self._shared_save(state, step, kinds, agreed)
+        self._local_save(state, step, kinds, agreed)
+        if agreed.stop:
+            self._on_stop(step)
+        self._straggler_report(step, agreed.stop)
+        return agreed.stop
+
+    def _check_step(self, state: Mapping[str, Any]) -> int:
         step = state["step"]
         prev = self._start_step if self._prev_step is None else self._prev_step
         if step < 0 or step < prev:
@@ -256,44 +273,52 @@ class Run:
             raise UsageError(f"run.step_end: state['step'] is {step}, "
                              + ("below 0" if step < 0 else f"below the previous step {prev}")
                              + "; it counts the optimizer steps done and only goes up (state['step'] += 1 per step)")
+        return step
+
+    def _agree(self, step: int) -> Votes:
+        """The step's one collective (or its ride on DDP's bucket 0): every rank's votes, and the
+        sums the loop staged (``step_sums``)."""
         self.stop.listening = True
+        self._local_tier()   # without a hook, the votes are read in collect(), just below
         self._stragglers.arrived()
-        sums = self._agreement.collect(self.device)
+        agreed, self.step_sums = Votes.decode(self._agreement.collect(self.device).tolist())
         self._progress.stepped(step)
-        stop, timed = bool(sums[0] > 0), bool(sums[1] > 0)
-        local, n = self._local, 2 + (self._local is not None)   # flags: see _flags
-        local_timed, self.step_sums = n == 3 and bool(sums[2] > 0), sums[n:].tolist()
-        self._last_state, self._prev_step = state, step
+        return agreed
+
+    def _check_sums(self, step: int) -> None:
         if not all(math.isfinite(v) for v in self.step_sums):
             # Every rank sees the same sums, so every rank raises here, before any save.
             guard.diverged(step, f"the values summed with the step are {self.step_sums} (the loss first)", self._ckpt)
+
+    def _shared_save(self, state: Mapping[str, Any], step: int, kinds: dict[str, str], agreed: Votes) -> None:
+        ckpt = self._checkpointer()
+        if ckpt is None:
+            return
+        if self.is_main:
+            ckpt.poll()
+        if not ckpt.due(step, force=agreed.stop, timed=agreed.timed):
+            return
+        before = self._progress.enter("checkpoint save")
+        t0 = time.perf_counter()
+        self.sync_buffers()
+        guard.check_weights(state, kinds, self._multi, step, self._ckpt)
+        self._report.checkpointed(step)
+        ckpt.save(state, step, blocking=agreed.stop, kinds=kinds)
         ledger = self._report.ledger()
         if ledger is not None:
-            ledger.step(step)
-        ckpt = self._checkpointer()
-        if ckpt is not None:
-            if self.is_main:
-                ckpt.poll()
-            if ckpt.due(step, force=stop, timed=timed):
-                before = self._progress.enter("checkpoint save")
-                t0 = time.perf_counter()
-                self.sync_buffers()
-                guard.check_weights(state, kinds, self._multi, step, self._ckpt)
-                self._report.checkpointed(step)
-                ckpt.save(state, step, blocking=stop, kinds=kinds)
-                if ledger is not None:
-                    self._report.saved(ledger, step, time.perf_counter() - t0)
-                self._progress.leave(before)
-        if local is not None and not stop and local.due(step, local_timed):
+            self._report.saved(ledger, step, time.perf_counter() - t0)
+        self._progress.leave(before)
+
+    def _local_save(self, state: Mapping[str, Any], step: int, kinds: dict[str, str], agreed: Votes) -> None:
+        local = self._local
+        if local is not None and not agreed.stop and local.due(step, agreed.local_timed):
             self._report.checkpointed(step)
             local.save(state, step, kinds)
-        if stop:
-            self._on_stop(step)
-        spread = self._stragglers.left(step, self.device, None if stop else self.stop)
+
+    def _straggler_report(self, step: int, stopping: bool) -> None:
+        spread = self._stragglers.left(step, self.device, None if stopping else self.stop)
         if spread is not None:
             self._report.aside(step, spread, self.total_steps, self._start_step)
-        return stop
-
 
     def _on_stop(self, step: int) -> None:
         self.stopped, self.stop_step = True, step

@@ -182,7 +182,7 @@ class LocalTier:
         self.pending = (fut, step, job.path if job is not None else None)
 
     def settle(self) -> None:
-        """Before every step's agreement (``Run._flags``): the save begun at an earlier step is
+        """Before every step's agreement (``Run._votes``): the save begun at an earlier step is
         written, copies included (or failed), by now, waiting for it if needed."""
         if self.pending is None:
             return

@@ -8,8 +8,9 @@ around its own srun line from our options, setup and teardown lines.
 
 The loop: the batch shell runs ``srun`` once per job step; after each, the requeue hook
 (:mod:`hpc_train.login.hook`) decides. It exits :data:`~hpc_train.login.decide.AGAIN` to have the
-step started again in the allocation, and prints the next step's settings as shell assignments
-(every value shell-quoted), which the loop evaluates; any other exit code ends the job with it.
+step started again in the allocation, and prints the next step's fields
+(:data:`~hpc_train.login.decide.NEXT_FIELDS`), one per line, which the loop reads into shell
+variables with ``read -r``: data, never shell text to evaluate. Any other exit code ends the job with it.
 Each step is numbered (``HPC_TRAIN_ATTEMPT``), so every rank's record names the step it is from.
 """
 
@@ -24,7 +25,7 @@ from hpc_train import threads as omp
 from hpc_train.config import Config, JobSection, time_minutes
 from hpc_train.rundir import ATTEMPT_ENV, BATCH_START_ENV, RESUME_ENV, STANDBY_ENV
 from hpc_train.login import nodes
-from hpc_train.login.decide import AGAIN
+from hpc_train.login.decide import AGAIN, NEXT_FIELDS
 from hpc_train.login.scheduler import tasks_per_node
 
 Option = str | int | bool    # an #SBATCH option's value (True: a flag without one)
@@ -151,8 +152,17 @@ class Loop:
                 + (f" --config {self.config_expr}" if self.config_expr else ""))
         # "|| hooked=$?": a batch script under set -e would end at the hook's non-zero exit.
         return ["hooked=0", f"next=$({call}) || hooked=$?", 'status="$hooked"',
-                f'if [ "$status" -ne {AGAIN} ]; then break; fi', 'eval "$next"', "done",
+                f'if [ "$status" -ne {AGAIN} ]; then break; fi', *self.read_next(), "done",
                 *(["exec 8>&-   # the standby's end-of-file: it leaves"] if self.standby else []), *self.cleanup()]
+
+    @staticmethod
+    def read_next() -> list[str]:
+        """The hook's fields for the next step, one per line of ``$next``, read as data: the
+        resume value exported, srun's node arguments kept unless the hook named new ones."""
+        reads = "; ".join(f"IFS= read -r hpc_train_next_{f}" for f in NEXT_FIELDS)
+        return [f'{{ {reads}; }} <<< "$next" || true',
+                f'export {RESUME_ENV}="${{hpc_train_next_resume:-latest}}"',
+                'if [ -n "${hpc_train_next_nodes:-}" ]; then step_nodes="$hpc_train_next_nodes"; fi']
 
     def cleanup(self) -> list[str]:
         """After the loop: remove the job's node-local checkpoint tier on every node (an in-place

@@ -44,6 +44,11 @@ from hpc_train.records.ranks import RankRecord
 from hpc_train.records.requeue import Incarnation, InPlace, Pending, Requeue, RequeueState
 
 AGAIN = 75              # the hook's exit code that runs srun again in the allocation (EX_TEMPFAIL)
+# What the batch shell reads back from the hook for a step started again (exit AGAIN): one line
+# per field, in this order, each read with ``read -r`` into ``hpc_train_next_<field>`` and never
+# evaluated as shell text (login/batch.py): the next step's HPC_TRAIN_RESUME, and srun's node
+# arguments ("" keeps the step's nodes).
+NEXT_FIELDS = ("resume", "nodes")
 TICK_S = 60             # slurmctld checks time limits every 30 s: a signal may come up to a tick early
 USABLE = {"allocated", "mixed", "idle", "completing"}   # sinfo states a step can use
 
@@ -118,6 +123,13 @@ class Decision:
     next_resume: str | None = None         # HPC_TRAIN_RESUME for the next step
     error: str | None = None               # the failure's first error line, kept in the record
     seen: tuple[Requeue, ...] = ()         # earlier runs requeued outside the hook, to count now
+
+
+def next_step(d: Decision) -> tuple[str, ...] | None:
+    """The :data:`NEXT_FIELDS` of a step started again, or None when one cannot travel as a line
+    (a line break in an explicit resume path: the shell would read it as two fields)."""
+    fields = (d.next_resume or "latest", d.next_nodes or "")
+    return None if any(c in f for f in fields for c in "\n\r\0") else fields
 
 
 def _step(step: int | None) -> str:

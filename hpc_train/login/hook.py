@@ -4,8 +4,9 @@
 picks one decision, and :func:`act` carries it out: ``scontrol requeue`` (counted in
 ``requeue.json`` first: the requeue ends this batch step, and this hook with it, as soon as the
 controller acts on it; taken back when ``scontrol`` fails), a job step restarted in place (the batch shell runs
-``srun`` again: exit code :data:`~hpc_train.login.decide.AGAIN`, and the next step's settings
-on stdout), or the job's end with one line saying why.
+``srun`` again: exit code :data:`~hpc_train.login.decide.AGAIN`, and the next step's
+:data:`~hpc_train.login.decide.NEXT_FIELDS` on stdout, one per line, read back as data, never
+evaluated), or the job's end with one line saying why.
 
 Requeuing from the batch shell, after every rank has exited, means no rank is killed mid-save
 by its own requeue, and works where ``scontrol`` is missing inside a container (the shell runs
@@ -16,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpc_train import rundir, slurm
-from hpc_train.login.decide import AGAIN, Decision, decide
+from hpc_train import slurm
+from hpc_train.login.decide import AGAIN, Decision, decide, next_step
 from hpc_train.login.gather import gather
 from hpc_train.records import requeue as requeue_rec
 from hpc_train.records.requeue import RequeueState
@@ -40,7 +40,7 @@ def scontrol_requeue(target: str) -> tuple[bool, str]:
 
 def act(run_dir: Path, d: Decision, history: RequeueState, target: str, restart: int, now: float,
         requeue=scontrol_requeue) -> tuple[str, int, list[str]]:
-    """Carry out ``d``: (the hook's line, the batch script's exit code, shell lines for the next
+    """Carry out ``d``: (the hook's line, the batch script's exit code, the fields for the next
     step). Only this writes ``requeue.json`` (through its owner), and a refusal writes nothing."""
     if d.action == "refused":
         return d.message, d.exit_code, []
@@ -70,11 +70,12 @@ def act(run_dir: Path, d: Decision, history: RequeueState, target: str, restart:
         return d.message, d.exit_code, []
     if d.action == "in_place":
         assert d.restart is not None
+        fields = next_step(d)
+        if fields is None:
+            return (f"{d.message}; NOT restarted: the resume path {d.next_resume!r} holds a line break, which the "
+                    f"batch shell cannot read back; resubmit with a plain path", 1, [])
         requeue_rec.write(run_dir, history.restarted(d.restart), warn)
-        lines = [f"export {rundir.RESUME_ENV}={shlex.quote(d.next_resume or 'latest')}"]
-        if d.next_nodes is not None:
-            lines.append(f"step_nodes={shlex.quote(d.next_nodes)}")
-        return d.message, d.exit_code, lines
+        return d.message, d.exit_code, list(fields)
     if d.seen or (history.problems and d.action != "finished"):
         requeue_rec.write(run_dir, history, warn)    # what was damaged goes aside, named once
     return d.message, d.exit_code, []

@@ -28,7 +28,8 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -268,10 +269,31 @@ class StopRun(BaseException):
     (a BaseException, like KeyboardInterrupt, so ``except Exception`` does not swallow it)."""
 
 
+@dataclass(frozen=True)
+class Votes:
+    """One rank's votes at a step boundary (:meth:`encode`), and after the agreement every
+    rank's, combined (:meth:`decode`): a vote is carried when any rank cast it. The same fields
+    on every rank, whatever its tiers, so the collective's size never depends on a rank's state."""
+
+    stop: bool = False           # a stop was asked of this rank (a signal, run.request_stop)
+    timed: bool = False          # the shared tier's timer says a checkpoint is due
+    local_timed: bool = False    # the node-local tier's timer says a save is due (False: tier off)
+
+    def encode(self) -> list[float]:
+        return [float(v) for v in astuple(self)]
+
+    @classmethod
+    def decode(cls, sums: Sequence[float]) -> tuple[Votes, list[float]]:
+        """(the agreed votes, the loop's own sums that followed them)."""
+        n = len(fields(cls))
+        return cls(*(float(v) > 0 for v in sums[:n])), [float(v) for v in sums[n:]]
+
+
 class Agreement:
     """What all ranks must agree on after each step, summed over ranks in one collective:
-    ``[stop requested, timed checkpoint due, *values]`` where ``values`` are optional sums the
-    loop staged (the built-in trainer's loss sum, correct, count).
+    ``[*votes, *values]`` where the votes are a rank's :class:`Votes` (encoded by ``flags``) and
+    ``values`` optional sums the loop staged (the built-in trainer's loss sum, correct, count).
+    ``flags`` runs inside DDP's communication hook: it only reads what the rank already holds.
 
     Under DDP (:meth:`attach`) it rides on the gradient all-reduce: a comm hook appends these
     values to bucket 0's all-reduce (or reduces them beside a bucket 0 over 1 MiB), so stopping

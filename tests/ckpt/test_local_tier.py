@@ -34,6 +34,17 @@ import hpc_train
 import os
 hpc_train.init(overrides=["checkpoint.every_steps=" + os.environ.get("SHARED_EVERY", "4"), "checkpoint.every_seconds=0",
                           "checkpoint.local_every_steps=3", "checkpoint.local_dir=" + sys.argv[3], "log.tensorboard=false"])
+if os.environ.get("LOCAL_TIER_WHERE_BUILT"):
+    # Where each rank's tier is built: whether DDP's communication hook is on the stack then.
+    import traceback
+    from hpc_train.ckpt.local import LocalTier
+    _init = LocalTier.__init__
+    def _where(self, *a, **kw):
+        hooked = any(f.name == "_agreement_hook" for f in traceback.extract_stack())
+        with open("built-" + os.environ['RANK'] + ".txt", "a") as f:
+            f.write("in the hook " if hooked else "outside ")
+        return _init(self, *a, **kw)
+    LocalTier.__init__ = _where
 if os.environ.get("LOCAL_TIER_SLOW_WRITE"):
     # A fake slow disk (a fault this machine's /dev/shm cannot show): each local item's write
     # starts this many seconds late, on the tier's writer thread.
@@ -116,6 +127,16 @@ def test_a_rank_killed_in_place_restores_from_its_node_bitwise(tmp_path, referen
     _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
     # A finished run leaves nothing of its local tier.
     assert list((tmp_path / "shm").iterdir()) == []
+
+
+@pytest.mark.procs
+def test_the_tier_is_never_built_inside_ddp_s_communication_hook(tmp_path):
+    """A loop that never restores (the tier is not built by restore): the step's votes are read
+    in DDP's hook during the first backward, and they only read timers; the tier is built before
+    (by run.wrap), once per rank, and the run ends as usual."""
+    p = _torchrun(tmp_path, 0, LOCAL_TIER_WHERE_BUILT="1", LOCAL_TIER_NO_RESTORE="1")
+    assert p.returncode == 0, show(p)
+    assert [(tmp_path / f"built-{r}.txt").read_text() for r in (0, 1)] == ["outside "] * 2
 
 
 @pytest.mark.procs

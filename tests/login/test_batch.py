@@ -10,12 +10,15 @@ as ``run``, ``submit`` and ``init()``: a changed model is refused before it trai
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import hpc, show
+
+from hpc_train.login.batch import Loop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +51,8 @@ def test_submitit_s_script_and_the_standalone_one_run_the_same_loop(tmp_path, se
     ours, theirs = _loop(standalone), _loop(p.stdout)
     # The same lines, but for the hook's --config (the standalone script carries its own copy).
     assert [ln.replace(' --config "$JOB_CONFIG"', "") for ln in ours] == theirs, (ours, theirs)
-    assert any("requeue-hook" in ln for ln in theirs) and 'eval "$next"' in theirs
+    # The hook's fields are read back as data (Loop.read_next), never evaluated (issue 48.5).
+    assert any("requeue-hook" in ln for ln in theirs) and Loop.read_next()[0] in theirs
     for text in (standalone, p.stdout):
         assert "--signal=USR2@90" in text and "--requeue" in text and "--open-mode=append" in text
         assert ("--no-kill" in text) == bool(sets)
@@ -151,3 +155,39 @@ def test_the_torchrun_script_gives_every_rank_threads_per_rank_before_torchrun_s
         assert "OMP_NUM_THREADS seen: 2\n" in (rd / "logs" / f"rank-{r}.log").read_text()
     assert "Setting OMP_NUM_THREADS environment variable" not in job.stderr, job.stderr[-3000:]   # torchrun's own
     assert job.stderr.count(said) == 1, job.stderr[-3000:]
+
+
+def _no_eval(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if not ln.lstrip().startswith("#") and "eval" in ln.split()]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_no_batch_script_evaluates_the_hook_s_output(tmp_path, launcher):
+    assert not _no_eval(_sbatch(tmp_path, launcher=launcher))
+    p = hpc("submit", "jobs/digits.yaml", "--dry-run", "--run-dir", tmp_path / "run")
+    assert p.returncode == 0 and "requeue-hook" in p.stdout and not _no_eval(p.stdout), show(p)
+
+
+def test_the_hook_s_fields_reach_the_next_step_as_data(tmp_path):
+    """The loop of login/batch.py in bash, with the hook (run once in a subshell, as ``$(...)``
+    does: it marks its first call in a file) and srun as shell functions: the fields
+    the hook prints (here hostile ones) reach the next step as values, and nothing in them runs."""
+    from hpc_train.config import load
+    from hpc_train.login.batch import Loop
+    from hpc_train.login.decide import AGAIN, NEXT_FIELDS
+    assert NEXT_FIELDS == ("resume", "nodes")
+    loop = Loop(load("jobs/digits.yaml", []).job, python="hook")
+    m = tmp_path / "pwned"
+    hostile = f"/ckpt/$(touch {m}1)`touch {m}2`; touch {m}3"
+    script = "\n".join([
+        f'hook() {{ if [ ! -e hooked ]; then : > hooked; printf "%s\\n%s\\n" {shlex.quote(hostile)} '
+        f'"--nodes=1 --nodelist=n2"; return {AGAIN}; fi; return 0; }}',
+        'srun() { printf "%s|%s\\n" "$HPC_TRAIN_RESUME" "$*" >> steps; }',
+        'RUN_DIR=.', *loop.before(), *loop.start(), f"{loop.srun()} train", "status=$?",
+        *[ln for ln in loop.after() if "SLURM_JOB_NUM_NODES" not in ln], 'echo "end $status"'])
+    ran = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={"PATH": os.environ["PATH"]})
+    assert ran.returncode == 0 and ran.stdout.strip().endswith("end 0"), (ran.stdout, ran.stderr, script)
+    steps = (tmp_path / "steps").read_text().splitlines()
+    assert steps == ["|train", f"{hostile}|--nodes=1 --nodelist=n2 train"], script
+    assert not list(tmp_path.glob("pwned*"))

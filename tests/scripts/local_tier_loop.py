@@ -7,7 +7,7 @@ step, as a crashed rank would; torchrun's ``--max-restarts`` then starts every r
 place. With ``LOCAL_TIER_FLIP`` set, rank 1 first flips one bit of its newest local item; with
 ``LOCAL_TIER_UNFINISHED``, rank 0 leaves a shared step directory without a commit record; with
 ``LOCAL_TIER_LOSE_NODE``, rank 1 removes its node's whole local directory (a lost node's storage)
-and every rank is killed;
+and every rank is killed; with ``LOCAL_TIER_NO_RESTORE``, the loop never calls ``run.restore``;
 with ``LOCAL_TIER_FLIP_COPY``, rank 0 flips a bit in its copy of rank 1's newest item; with
 ``LOCAL_TIER_SLOW_WRITE`` (see tests/ckpt/test_local_tier.py), the loop does not wait for the
 local save in flight before the kill. Before
@@ -37,7 +37,8 @@ def main(steps: int, kill_at: int = 0) -> dict:
     data = [(torch.randn(8, generator=g), torch.tensor(i % 2)) for i in range(256)]
     loader = run.loader(data, batch_size=4)
     state = {"model": model, "optim": optim, "loader": loader, "step": 0}
-    run.restore(state)
+    if not os.environ.get("LOCAL_TIER_NO_RESTORE"):   # a loop that never resumes: the tier is built later
+        run.restore(state)
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     loss = torch.zeros(())
     while state["step"] < steps:
