@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from hpc_train import rundir
+from hpc_train.records import fields
 
 if TYPE_CHECKING:
     from hpc_train.records.requeue import InPlace
@@ -124,7 +125,7 @@ _NUMBERS = ("start", "end", "first_step", "load_s", "save_block_s", "redone_s", 
 
 def _is_num(v: object) -> TypeGuard[float]:
     """A finite number: JSON lets outside hands write NaN or Infinity, which no sum survives."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return fields.finite(v)
 
 
 def _problem(rec: dict[str, Any]) -> str | None:

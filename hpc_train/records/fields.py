@@ -21,7 +21,7 @@ def count(d: Mapping[str, object], key: str, default: int | None = None, lo: int
     """An integer in ``lo..hi`` (a count, a rank, a step)."""
     v = d.get(key, default)
     if not is_int(v) or not lo <= v <= hi:
-        raise Bad(f"{key} is {v!r}, not an integer from {lo} to {hi}")
+        raise Bad(f"{key} is {_short(v)}, not an integer from {lo} to {hi}")
     return v
 
 
@@ -29,12 +29,29 @@ def opt_count(d: Mapping[str, object], key: str, lo: int = 0) -> int | None:
     return None if d.get(key) is None else count(d, key, lo=lo)
 
 
+def finite(v: object) -> TypeGuard[int | float]:
+    """A number that is finite as a float: not a bool, NaN or an infinity, nor an integer too
+    big for a float (JSON's integers have no size limit, and ``math.isfinite(10**400)`` raises)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def number(d: Mapping[str, object], key: str, default: float | None = None) -> float:
     """A finite number (a time, a duration)."""
     v = d.get(key, default)
-    if not (is_int(v) or isinstance(v, float)) or not math.isfinite(v):
-        raise Bad(f"{key} is {v!r}, not a finite number")
+    if not finite(v):
+        raise Bad(f"{key} is {_short(v)}, not a finite number")
     return float(v)
+
+
+def _short(v: object) -> str:
+    """A value for a one-line message: a 400-digit integer is cut, not printed whole."""
+    r = repr(v)
+    return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
 
 
 def opt_number(d: Mapping[str, object], key: str) -> float | None:

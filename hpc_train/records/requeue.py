@@ -234,9 +234,8 @@ def read(run_dir: Path) -> RequeueState:
         problems.append(f"{NAME}: final is {final!r}, not a line")
         aside["final"], final = final, None
     at = raw.get("requeued_at", [])
-    times = [t for t in at if fields.is_int(t) or isinstance(t, float)] if isinstance(at, list) else []
-    return RequeueState(tuple(events), tuple(in_place), final,
-                        tuple(float(t) for t in times if t == t and abs(t) != float("inf")),
+    times = [t for t in at if fields.finite(t)] if isinstance(at, list) else []
+    return RequeueState(tuple(events), tuple(in_place), final, tuple(float(t) for t in times),
                         tuple(problems), unreadable, aside)
 
 

@@ -157,6 +157,11 @@ def test_unknown_key_in_a_file_and_unknown_section(job_file):
     ("job.setup=echo hi", "job.setup"),
     ("model.name=resnet", "model.name"),
     ("data=3", "data"),
+    # Issue 50: counts no cluster has never reach an #SBATCH line.
+    ("job.nodes=9223372036854775807", "job.nodes"),
+    ("job.spare_nodes=9223372036854775807", "job.spare_nodes"),
+    ("job.min_nodes=65536", "job.min_nodes"),
+    ("job.cpus_per_task=65536", "job.cpus_per_task"),
 ])
 def test_wrong_type_or_range_names_the_field(item, field):
     with pytest.raises(UsageError) as e:
