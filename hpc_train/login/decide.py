@@ -229,8 +229,10 @@ def _decide(i: Inputs) -> Decision:
                 f"(SIG{i.pending.signal}); ")
     elif i.status != 0:
         rank, error = culprit_error(i, failed)
-        note = (f"rank {rank} failed: {error}; " if rank is not None else f"rank {failed[0]} failed; " if failed
-                else "")
+        # No rank said why and a node is gone: the node is the culprit (named with the restart,
+        # or below), not the first rank without an end record (rank 0 only lost its peers).
+        note = (f"rank {rank} failed: {error}; " if rank is not None
+                else "" if failed and _lost_hosts(i) else f"rank {failed[0]} failed; " if failed else "")
     else:
         return Decision("none", f"{i.pending_note}no requeue requested", 0)
     return _failure(i, i.pending_note + note, failed)
@@ -289,6 +291,9 @@ def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
                             f"(in-place budget: {used + charge} of {i.budgets.in_place} used"
                             f"{'; no progress since the last restart, counted twice' if charge == 2 else ''})",
                             AGAIN, "failure", step, restart=entry, next_nodes=args, next_resume=resume)
+    lost_now = _lost_hosts(i)
+    if lost_now and not note.strip() and why != where[3]:
+        note = f"{', '.join(lost_now)} lost; "   # else said by the refusal, which lists the nodes down
     note = f"{note}{why}; "
     done = i.history.asked(i.inc)
     if done is not None and done.requeued:
@@ -322,6 +327,26 @@ def _args(nodes: tuple[str, ...], rpn_srun: int) -> str:
     return f"--nodes={len(nodes)} --ntasks={len(nodes) * rpn_srun} --nodelist={','.join(nodes)}"
 
 
+def _up_hosts(i: Inputs) -> list[str]:
+    """The allocation's nodes that Slurm lists in the job and as usable; a trailing flag on a
+    state ("idle*": not responding, "idle~": powered off) rules the node out."""
+    n = i.nodes
+    if n is None or n.now is None or n.states is None:
+        return []
+    return [h for h in n.allocated if h in n.now and n.states.get(h, "") in USABLE]
+
+
+def _lost_hosts(i: Inputs) -> tuple[str, ...]:
+    """The allocation's nodes lost in this step (not those lost in an earlier one); none while
+    Slurm's view is unknown."""
+    n = i.nodes
+    if n is None or n.now is None or n.states is None:
+        return ()
+    up = _up_hosts(i)
+    known_lost = {h for e in i.history.restarts_of(i.inc) for h in e.lost}
+    return tuple(h for h in n.allocated if h not in up and h not in known_lost)
+
+
 def _next_nodes(i: Inputs, failed: list[int]) -> tuple[str | None, tuple[str, ...], tuple[str, ...] | None, str]:
     """(srun's node arguments, nodes newly lost, the nodes chosen, a note) for the next step; the
     arguments are None, with why in the note, when too few nodes are left."""
@@ -333,10 +358,8 @@ def _next_nodes(i: Inputs, failed: list[int]) -> tuple[str | None, tuple[str, ..
         args = _args(before, tasks) if before else f"--nodes={n.want} --ntasks={n.want * tasks}"
         return (args, (), before,
                 f"Slurm's view of the nodes is unknown ({n.unknown_why}): the next step runs where this one ran; ")
-    # A trailing flag on a state ("idle*": not responding, "idle~": powered off) rules the node out.
-    up = [h for h in n.allocated if h in n.now and n.states.get(h, "") in USABLE]
-    known_lost = {h for e in i.history.restarts_of(i.inc) for h in e.lost}
-    lost = tuple(h for h in n.allocated if h not in up and h not in known_lost)
+    up = _up_hosts(i)
+    lost = _lost_hosts(i)
     step_nodes = before or tuple(n.allocated[:i.first_step_nodes])
     implicated = set()
     if not lost:   # a lost node is the culprit; else the nodes where a failed rank ran

@@ -503,3 +503,21 @@ def test_an_outside_requeue_is_counted_once_and_only_when_sacct_says_it(i, runs)
         assert (e.cause == "timeout") == (lead_left and run.state != "NODE_FAIL")
     if i.status == EXIT_USAGE and not i.finished:
         assert d.seen == ()                                                 # a refusal counts nothing
+
+
+# -- issue 50: a lost node is the culprit, not the first rank without an end record -----------------
+LOST = dict(nodes=nodes(now="node1 node3", states={"node1": "mixed", "node2": "down*", "node3": "idle"}))
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({}, "node2 lost at step 100; next step on node1,node3; restarting in place"),
+    ({"budgets": Budgets(-1, 20, 1, 0)}, "node2 lost; not restarted in place (job.restarts_in_place=0)"),
+], ids=["restarted", "requeued"])
+def test_a_lost_node_is_named_and_no_rank_is_blamed(extra, says):
+    d = decide(base(**LOST, **extra))
+    assert d.message.startswith(says) and "rank 0 failed" not in d.message, d.message
+
+
+def test_a_rank_that_said_why_is_still_named_beside_a_lost_node():
+    d = decide(base(errors={1: "RuntimeError: boom"}, **LOST))
+    assert d.message.startswith("rank 1 failed: RuntimeError: boom; node2 lost at step 100"), d.message
