@@ -96,7 +96,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
                           view.nodes, states, why or view.why)
     # Earlier runs that went back to the queue without a requeue of the hook's (a script's own
     # scontrol requeue ended the batch shell before the hook ran): one sacct says what they were.
-    past, past_why = (nodes.past_runs(inc.target) if history.unrecorded(inc) and status != EXIT_USAGE
+    past, past_why = (nodes.past_runs(inc.target, inc.restart) if history.unrecorded(inc) and status != EXIT_USAGE
                       else ((), ""))
     from hpc_train.ckpt import tiers
     newest, own = _newest_checkpoint(run_dir, _int(env, BATCH_START_ENV))

@@ -106,12 +106,21 @@ class PastRun:
     end: float | None            # None: not ended, or not a time
 
 
-def parse_runs(text: str) -> tuple[PastRun, ...]:
+def parse_runs(text: str, restart: int | None = None) -> tuple[PastRun, ...]:
     """``sacct -n -P -X --duplicates -o State,ElapsedRaw,TimelimitRaw,End`` as runs; whatever
     bytes it printed (a field that is not a number is None). A job that lost a node under
-    ``--no-kill`` has a RESIZING row for the same run: left out."""
+    ``--no-kill`` has a RESIZING row for the same run: left out.
+
+    ``restart`` (this run's SLURM_RESTART_COUNT): ``--duplicates`` also lists older jobs that had
+    the same id (Slurm reuses ids after a controller reset or a wrap), first; this job's runs are
+    the last ``restart + 1`` rows when the current run is listed (still live), else the last
+    ``restart`` (the accounting has not caught up with it). None: every row is this job's."""
     rows = [(line.split("|") + [""] * 4)[:4] for line in text.splitlines() if line.strip()]
     rows = [r for r in rows if r[0].strip() != "RESIZING"]
+    if restart is not None:
+        listed = bool(rows) and rows[-1][0].strip().split(" ")[0] in _LIVE
+        keep = restart + 1 if listed else restart
+        rows = rows[max(0, len(rows) - keep):] if keep > 0 else []
 
     def num(s: str) -> int | None:
         s = s.strip()
@@ -127,9 +136,14 @@ def parse_runs(text: str) -> tuple[PastRun, ...]:
                  for i, (state, elapsed, limit, end) in enumerate(rows))
 
 
-def past_runs(target: str) -> tuple[tuple[PastRun, ...] | None, str]:
-    """Every run of the job (an array task: ``A_I``), or None and why it is unknown (one ``sacct``)."""
+# The states of a run still under way (the batch shell's hook runs inside the current one).
+_LIVE = ("RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "CONFIGURING")
+
+
+def past_runs(target: str, restart: int | None = None) -> tuple[tuple[PastRun, ...] | None, str]:
+    """Every run of the job (an array task: ``A_I``), or None and why it is unknown (one ``sacct``);
+    ``restart``: see :func:`parse_runs`."""
     if not target:
         return None, "no job id (SLURM_JOB_ID)"
     reply = slurm.sacct("-n", "-P", "-X", "--duplicates", "-j", target, "-o", "State,ElapsedRaw,TimelimitRaw,End")
-    return (None, reply.why) if reply.out is None else (parse_runs(reply.out), "")
+    return (None, reply.why) if reply.out is None else (parse_runs(reply.out, restart), "")

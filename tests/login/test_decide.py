@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
-from hpc_train.login.decide import AGAIN, TICK_S, USABLE, Budgets, Inputs, Nodes, decide
+from hpc_train.login.decide import AGAIN, TICK_S, USABLE, Budgets, Inputs, Nodes, decide, outside_requeues
 from hpc_train.login.nodes import PastRun, parse_runs
 from hpc_train.records.ranks import RankRecord
 from hpc_train.records.requeue import Incarnation, InPlace, Pending, Requeue, RequeueState
@@ -521,3 +521,33 @@ def test_a_lost_node_is_named_and_no_rank_is_blamed(extra, says):
 def test_a_rank_that_said_why_is_still_named_beside_a_lost_node():
     d = decide(base(errors={1: "RuntimeError: boom"}, **LOST))
     assert d.message.startswith("rank 1 failed: RuntimeError: boom; node2 lost at step 100"), d.message
+
+
+# -- issue 50: sacct --duplicates also lists older jobs that had the same id ------------------------
+OLD_JOB = "COMPLETED|3000|60|2026-01-01T00:00:00\nFAILED|10|60|2026-01-02T00:00:00\n"
+
+
+@pytest.mark.parametrize("text, restart, states", [
+    # This job's run 0 was requeued (preempted); run 1 is the current one, listed as RUNNING.
+    (OLD_JOB + "PREEMPTED|95|180|2026-02-01T00:00:00\nRUNNING|5|180|Unknown\n", 1, ["PREEMPTED", "RUNNING"]),
+    # The accounting has not listed the current run yet: the last row is this job's run 0.
+    (OLD_JOB + "REQUEUED|95|180|2026-02-01T00:00:00\n", 1, ["REQUEUED"]),
+    # No older job: the rows are this job's runs.
+    ("REQUEUED|95|180|2026-02-01T00:00:00\nRUNNING|5|180|Unknown\n", 1, ["REQUEUED", "RUNNING"]),
+    # Fewer rows than runs (the accounting lags): all kept, numbered from 0.
+    ("RUNNING|5|180|Unknown\n", 2, ["RUNNING"]),
+    (OLD_JOB, 0, []),
+], ids=["old-job-first", "current-not-listed", "no-old-job", "lagging", "first-run-not-listed"])
+def test_runs_of_an_older_job_with_the_same_id_are_not_this_job_s(text, restart, states):
+    runs = parse_runs(text, restart)
+    assert [r.state for r in runs] == states
+    assert [r.restart for r in runs] == list(range(len(states)))
+
+
+def test_an_older_job_s_row_is_never_charged_as_this_job_s_requeue():
+    """Run 0 of this job hit its time limit (elapsed = limit) and was requeued outside the hook;
+    the older job's first row, a short FAILED run, must not be taken for it."""
+    text = "FAILED|10|60|2026-01-02T00:00:00\nREQUEUED|10740|180|2026-02-01T00:00:00\nRUNNING|5|180|Unknown\n"
+    i = base(status=0, pending=None, inc=Incarnation("7", 1), past_runs=parse_runs(text, 1))
+    seen, _ = outside_requeues(i)
+    assert [(e.key, e.cause) for e in seen] == [("7:0", "timeout")]
