@@ -103,7 +103,7 @@ class Inputs:
     resume: str                            # the job's HPC_TRAIN_RESUME
     first_step_nodes: int                  # the first step's node count (job.nodes, or the allocation's)
     nodes: Nodes | None                    # None: srun's defaults, no node choice
-    errors: Mapping[int, str] = field(default_factory=dict)   # first error line of ranks that wrote one
+    errors: Mapping[int, str] = field(default_factory=dict)   # first error line of ranks that wrote one, oldest first
     past_runs: tuple[PastRun, ...] | None = ()   # the job's runs (sacct), asked when some went unrecorded
     past_why: str = ""                     # why sacct's answer is unknown (past_runs None)
     window_s: float = 300.0                # dist.straggler_window_s: at most one swap per window
@@ -144,9 +144,11 @@ def failed_ranks(i: Inputs) -> list[int]:
 
 
 def culprit_error(i: Inputs, failed: list[int]) -> tuple[int, str] | tuple[None, None]:
-    """(rank, error line) of the failure: the first failed rank that says why, preferring one
-    that is not only reporting a lost peer (a victim of another rank's death)."""
-    said = [(r, i.errors[r]) for r in failed if i.errors.get(r)]
+    """(rank, error line) of the failure: the failed rank that said why first (``errors`` is in
+    the order the error files were written, not by rank number), preferring one that is not only
+    reporting a lost peer (a victim of another rank's death)."""
+    out = set(failed)
+    said = [(r, e) for r, e in i.errors.items() if r in out and e]
     first = next(((r, e) for r, e in said if not says_peer_lost(e)), said[0] if said else (None, None))
     return first
 

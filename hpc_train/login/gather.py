@@ -104,9 +104,10 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     began = [r.started for r in step_ranks.values() if r is not None and r.started is not None]
     since = min(began) if began else float(_int(env, BATCH_START_ENV))
     # The error files there are (one listing), not a stat of every rank's possible one.
-    errors = {} if status in (0, EXIT_USAGE) or finished else \
-        {r: e for r in sorted(ranks_rec.error_times(run_dir)) if r < world
-         and (e := ranks_rec.error_line(run_dir, r, since - 1.0))}
+    # In the order they were written: the rank that failed first is the culprit, whatever its number.
+    written = {} if status in (0, EXIT_USAGE) or finished else ranks_rec.error_times(run_dir)
+    said = {r: e for r in sorted(written) if r < world and (e := ranks_rec.error_line(run_dir, r, since - 1.0))}
+    errors = dict(sorted(said.items(), key=lambda kv: (written[kv[0]], kv[0])))
     inputs = Inputs(
         status=status, finished=finished, inc=inc, pending=pending, pending_note=note,
         ranks=step_ranks, ranks_per_node=ranks_per_node,

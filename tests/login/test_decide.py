@@ -551,3 +551,14 @@ def test_an_older_job_s_row_is_never_charged_as_this_job_s_requeue():
     i = base(status=0, pending=None, inc=Incarnation("7", 1), past_runs=parse_runs(text, 1))
     seen, _ = outside_requeues(i)
     assert [(e.key, e.cause) for e in seen] == [("7:0", "timeout")]
+
+
+def test_the_rank_that_failed_first_is_named_not_the_lowest_rank():
+    """Rank 3's error file was written before rank 1's (gather passes them oldest first): rank 3
+    is the culprit, whatever its number; a victim's lost-peer line never is."""
+    ranks = {r: rec(r, node=f"node{1 + r // 2}") for r in range(4)}
+    first = decide(base(ranks=ranks, ranks_per_node=2, errors={3: "RuntimeError: first", 1: "RuntimeError: later"}))
+    assert "rank 3 failed: RuntimeError: first" in first.message, first.message
+    victim = decide(base(ranks=ranks, ranks_per_node=2,
+                         errors={0: "rank 0: lost its peer rank 2 (connection closed by peer)", 2: "OOM"}))
+    assert "rank 2 failed: OOM" in victim.message, victim.message

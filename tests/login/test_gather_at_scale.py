@@ -116,3 +116,19 @@ def test_newest_complete_inspects_from_the_newest_and_stops(tmp_path, monkeypatc
     inspected.clear()
     assert store.newest_complete(rd, below=30).step == 20 and inspected == ["step-20"]
     assert [i.step for i in store.scan(rd)] == [40, 30, 20, 10]     # scan still sees every one
+
+
+def test_gather_passes_the_errors_oldest_first(tmp_path, monkeypatch):
+    """The rank whose error file was written first is the culprit (decide takes the first one
+    that is not a lost peer's): gather passes them in the order they were written."""
+    from hpc_train.login.gather import gather
+    rd = tmp_path / "run"
+    for r in range(4):
+        _rank_record(rd, r, 4)
+    now = time.time()
+    for r, line, ago in ((1, "RuntimeError: later", 1), (3, "RuntimeError: first", 5)):
+        rundir.rank_error(rd, r).write_text(line + "\n")
+        os.utime(rundir.rank_error(rd, r), (now - ago, now - ago))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    inputs, _ = gather(rd, 1, _env(), srun_tasks_per_node=4, ranks_per_node=4)
+    assert list(inputs.errors.items()) == [(3, "RuntimeError: first"), (1, "RuntimeError: later")]
