@@ -56,7 +56,7 @@ def metric(line: str) -> dict[str, Any] | None:
     line cut short by a kill, or one damaged by other hands (``[]``, ``3``, ``{"step": "x"}``)."""
     try:
         rec = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if isinstance(rec, dict) and isinstance(rec.get("step"), int) and not isinstance(rec["step"], bool):
         return rec

@@ -142,7 +142,7 @@ class RunDirLock:
         text, _ = read_text(self.path)
         try:
             h = json.loads(text or "")
-        except ValueError:
+        except (ValueError, RecursionError):
             h = None
         if not isinstance(h, dict) or "pid" not in h or "host" not in h:
             return "another process"

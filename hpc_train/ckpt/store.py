@@ -122,15 +122,14 @@ def inspect(path: Path) -> CkptInfo:
     m = _STEP_RE.match(path.name)
     step = int(m.group(1)) if m else -1
     commit = path / COMMIT
-    try:
-        text = commit.read_text()
-    except FileNotFoundError:
-        return CkptInfo(step, path, False, "no commit record (the save never finished)")
-    except (OSError, UnicodeDecodeError) as e:
-        return CkptInfo(step, path, False, f"commit record is unreadable ({type(e).__name__})")
+    # Bounded, never blocking on a FIFO, a directory in its place said as such.
+    text, problem = rundir.read_text(commit)
+    if text is None:
+        return CkptInfo(step, path, False, f"commit record is unreadable: it {problem}" if problem
+                        else "no commit record (the save never finished)")
     try:
         record = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         return CkptInfo(step, path, False, f"commit record is unreadable ({type(e).__name__})")
     why = _record_problem(record, step)
     if why is not None:

@@ -46,6 +46,8 @@ def read_json(path: Path, expect: type = dict) -> tuple[object, str | None]:
         value = json.loads(text)
     except ValueError:
         return None, "is not valid JSON"
+    except RecursionError:   # nesting deeper than the parser's stack: no record is written so
+        return None, "is nested too deeply for a record"
     if not isinstance(value, expect) or (expect is not bool and isinstance(value, bool)):
         return None, f"holds {_TYPE_NAMES.get(type(value), type(value).__name__)}, not {_TYPE_NAMES.get(expect, expect.__name__)}"
     return value, None

@@ -1,0 +1,169 @@
+"""Issue 50.2: every reader of a run directory takes whatever it finds there. Hypothesis writes
+damaged records of every kind in a record's place (random bytes, truncated JSON, JSON of any shape
+with huge, non-finite and wrong-typed values, non-UTF-8 text, deep nesting) and the special files
+(a directory, a FIFO, a symbolic link) and calls each reader: it returns (a value, or a problem
+in one line), never raises and never blocks. Slurm's command output goes through its parsers the
+same way. A reader broken on purpose (a bare ``json.loads`` on a record) fails here."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpc_train import goodput, logs, rundir
+from hpc_train.ckpt import store, tiers
+from hpc_train.login import nodes
+from hpc_train.records import jobs, ranks, requeue, result, stop
+
+# JSON values of any shape: huge integers, non-finite floats, any text, nested lists and objects.
+SCALARS = (st.none() | st.booleans() | st.integers() | st.integers(min_value=10**300, max_value=10**500)
+           | st.floats() | st.text(max_size=30))
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                           max_size=6), max_leaves=30)
+KEYS = ["steps", "stop_signal", "stop_received_at", "checkpoint", "events", "in_place", "requeued_at", "counts",
+        "target", "step", "signal", "received_at", "rank", "pid", "world_size", "started", "job", "job_id",
+        "submitted", "time", "key", "cause", "final", "segments", "config_hash", "world", "files", "ended"]
+# Objects whose keys are the records' own, with values of any kind: they reach each field's check.
+RECORDS = st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=12)
+
+
+def _json(v: object) -> bytes:
+    return json.dumps(v).encode()
+
+
+CONTENT = st.one_of(
+    st.binary(max_size=300),
+    RECORDS.map(_json),
+    VALUES.map(_json),
+    RECORDS.map(_json).flatmap(lambda b: st.integers(0, max(0, len(b) - 1)).map(lambda n: b[:n])),   # truncated
+    st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")),
+    st.integers(1, 5).map(lambda k: (b"[" * 10**k + b"]" * 10**k)),          # nesting deeper than the parser's stack
+    st.integers(200, 600).map(lambda n: (b'{"steps": ' + b"9" * n + b"}")),
+)
+
+
+def _commit(rd: Path) -> Path:
+    return store.ckpt_root(rd) / "step-5" / "commit.json"
+
+
+def _metrics(rd: Path) -> Path:
+    return rd / rundir.METRICS
+
+
+def _local_commit(rd: Path) -> Path:
+    return rd / "shm" / "hpc_train-1" / "node0" / "rank-0" / "step-3" / "commit.json"
+
+
+def _read_metrics(rd: Path) -> object:
+    return (list(logs.records(_metrics(rd))), list(logs.records(_metrics(rd), tail_bytes=100)),
+            logs.metrics_tail(rd), goodput.dropped_steps(_metrics(rd), 1))
+
+
+# (the file a reader reads, the reader): each call must return, whatever the file holds.
+READERS: dict[str, tuple[Callable[[Path], Path], Callable[[Path], object]]] = {
+    "requeue.json": (requeue.path, requeue.read),
+    "requeue.pending": (requeue.pending_path, requeue.read_pending),
+    "stopped.json": (stop.path, lambda rd: (stop.read(rd), stop.written_since(rd, 0.0))),
+    "result.json": (result.path, lambda rd: (result.read(rd), result.finished(rd))),
+    "job.json": (jobs.path, lambda rd: (jobs.read(rd), jobs.first_submit(rd))),
+    "rank record": (lambda rd: ranks.path(rd, 0),
+                    lambda rd: (ranks.read(rd, 0), ranks.last_step(rd), ranks.present(rd))),
+    "goodput.json": (lambda rd: rd / goodput.FILE, lambda rd: (goodput.read(rd), goodput.breakdown(rd, 1e9),
+                                                               goodput.summary_line(rd))),
+    "commit.json": (_commit, lambda rd: (store.scan(rd), store.newest_complete(rd, warn=lambda m: None))),
+    "metrics.jsonl": (_metrics, _read_metrics),
+    "local item's commit.json": (_local_commit, lambda rd: tiers.local_items(rd, str(rd / "shm"), env={})),
+    "rank error": (lambda rd: rundir.rank_error(rd, 1), lambda rd: (ranks.error_times(rd), ranks.error_line(rd, 1, 0))),
+}
+
+# Names another hand could give a step or rank directory (or a record's file): any characters a
+# file name may hold, non-ASCII digits, leading zeros, numbers too big for anything.
+NAMES = st.one_of(
+    st.text(st.characters(blacklist_characters="/\x00", blacklist_categories=("Cs",)), min_size=1, max_size=40),
+    st.integers(0, 10**40).map(str), st.sampled_from(["007", "-1", "٣", "３", "1e3", " 4", "4 ", "0x10", "+5"]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=NAMES)
+def test_listings_take_any_step_or_rank_name(tmp_path, name):
+    if name in (".", ".."):
+        return
+    rd = tmp_path / "run"
+    made = [store.ckpt_root(rd) / f"step-{name}", rd / "shm" / "hpc_train-1" / "node0" / f"rank-{name}" / "step-2",
+            rd / "shm" / "hpc_train-1" / "node0" / "rank-0" / f"step-{name}", rundir.rank_error(rd, 0).parent]
+    for d in made:
+        d.mkdir(parents=True, exist_ok=True)
+    (rundir.rank_error(rd, 0).parent / f"rank-{name}.error").write_text("RuntimeError: x\n")
+    ranks.path(rd, 0).parent.mkdir(parents=True, exist_ok=True)
+    (ranks.path(rd, 0).parent / f"rank-{name}").write_text("{}")
+    try:
+        _call(lambda r: (store.scan(r), tiers.local_items(r, str(r / "shm"), env={}), ranks.error_times(r),
+                         ranks.present(r), ranks.last_step(r)), rd)
+    finally:
+        import shutil
+        shutil.rmtree(rd)
+
+
+class _Blocked(Exception):
+    pass
+
+
+def _call(reader: Callable[[Path], object], rd: Path) -> None:
+    """The reader, given 10 s: a FIFO read without O_NONBLOCK would block for good."""
+    def alarm(*_: object) -> None:
+        raise _Blocked("the reader blocked")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(10)
+    try:
+        reader(rd)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("name", READERS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=CONTENT)
+def test_a_reader_takes_any_bytes_in_its_record_s_place(tmp_path, name, content):
+    where, reader = READERS[name]
+    rd = tmp_path / "run"
+    f = where(rd)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes(content)
+    try:
+        _call(reader, rd)
+    finally:
+        f.unlink()
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink-to-dir", "dangling-symlink"])
+@pytest.mark.parametrize("name", READERS)
+def test_a_reader_takes_a_special_file_in_its_record_s_place(tmp_path, name, kind):
+    where, reader = READERS[name]
+    rd = tmp_path / "run"
+    f = where(rd)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "directory":
+        f.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "symlink-to-dir":
+        f.symlink_to(tmp_path)
+    else:
+        f.symlink_to(tmp_path / "nowhere")
+    _call(reader, rd)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=400), st.none() | st.integers(0, 5))
+def test_sacct_s_output_of_any_text_parses(text, restart):
+    runs = nodes.parse_runs(text, restart)
+    assert [r.restart for r in runs] == list(range(len(runs)))
