@@ -11,6 +11,8 @@ them; what a record means is its owner's.
 
 from __future__ import annotations
 
+import re
+
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -269,6 +271,21 @@ def read_text(path: Path) -> tuple[str | None, str | None]:
     except OSError as e:
         return None, f"cannot be read ({e.strerror or type(e).__name__})"
     return raw.decode("utf-8", errors="replace"), None
+
+
+# A number as hpc_train writes it into a name (step-12, rank-3.error): ASCII digits, no leading
+# zero, at most 18 of them. str.isdigit() and the regex \d also take '²' and '٣', and int()
+# refuses the first and a 5000-digit one; a name "step-5\n" matched ^step-(\d+)$.
+_NAME_NUMBER = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def name_number(name: str, prefix: str, suffix: str = "") -> int | None:
+    """N of a name ``PREFIX N SUFFIX`` spelled as its writer spells it, else None: every reader
+    of step and rank names parses them here, one way."""
+    if not (name.startswith(prefix) and name.endswith(suffix)) or len(name) < len(prefix) + len(suffix):
+        return None
+    digits = name[len(prefix):len(name) - len(suffix)]
+    return int(digits) if _NAME_NUMBER.fullmatch(digits) else None
 
 
 def damaged_name(path: Path) -> Path:

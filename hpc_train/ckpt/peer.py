@@ -35,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hpc_train import rundir
 from hpc_train.ckpt import store
 from hpc_train.ckpt.wire import Outgoing, swap
 from hpc_train.config_local import COPIES
@@ -89,8 +90,8 @@ def numbered(parent: Path, prefix: str) -> list[tuple[int, Path]]:
     """(N, path) of ``parent``'s entries named ``PREFIX-N`` that are not symlinks; none when
     ``parent`` cannot be listed."""
     try:
-        return [(int(p.name[len(prefix):]), p) for p in parent.iterdir()
-                if p.name.startswith(prefix) and p.name[len(prefix):].isdigit() and not p.is_symlink()]
+        return [(n, p) for p in parent.iterdir()
+                if (n := rundir.name_number(p.name, prefix)) is not None and not p.is_symlink()]
     except OSError:
         return []
 
@@ -172,7 +173,7 @@ class Peers:
 
     def _prune(self, parent: Path, keep: int) -> None:
         items = sorted((store.inspect(p) for p in parent.iterdir()
-                        if p.name.startswith("step-") and p.name[5:].isdigit()), key=lambda i: -i.step)
+                        if store.step_of(p.name) is not None), key=lambda i: -i.step)
         complete = [i for i in items if i.complete]
         newest = complete[0].step if complete else -1
         keep_steps = {i.step for i in complete[:keep]}
@@ -215,7 +216,7 @@ class Peers:
             parent = self.copies_dir(s)
             if parent.is_dir():
                 for p in parent.iterdir():
-                    if p.name.startswith("step-") and p.name[5:].isdigit() and int(p.name[5:]) > step:
+                    if (n := store.step_of(p.name)) is not None and n > step:
                         shutil.rmtree(p, ignore_errors=True)
 
     def remove(self) -> None:
@@ -228,8 +229,8 @@ class Peers:
             shutil.rmtree(self.copies_dir(r.source(d)), ignore_errors=True)
         for parent, owned in ((self.node, here), (self.node / COPIES, sources)):
             try:
-                stale = [p for p in parent.iterdir() if p.name.startswith("rank-") and p.name[5:].isdigit()
-                         and int(p.name[5:]) not in owned]
+                stale = [p for p in parent.iterdir() if (n := rundir.name_number(p.name, "rank-")) is not None
+                         and n not in owned]
             except OSError:
                 continue
             for p in stale:

@@ -50,7 +50,9 @@ COMMIT = rundir.COMMIT
 METADATA = ".metadata"
 BUFFERS = "buffers"   # a local item's "layout" (hpc_train.ckpt.flat): raw files and a rank-R.pt, no DCP files
 CHECKSUM = checksum.CRC32C  # the algorithm write_commit records; see hpc_train.ckpt.checksum
-_STEP_RE = re.compile(r"^step-(\d+)$")
+def step_of(name: str) -> int | None:
+    """N of a step directory's name ``step-N`` (see :func:`hpc_train.rundir.name_number`)."""
+    return rundir.name_number(name, "step-")
 
 
 @dataclass
@@ -73,8 +75,8 @@ class CkptInfo:
 def label(path: Path) -> str:
     """How every message names a checkpoint: ``step N (PATH)``, N as ``ckpt list`` shows it (a
     directory not named ``step-N``: its path)."""
-    m = _STEP_RE.match(Path(path).name)
-    return f"step {int(m.group(1))} ({path})" if m else str(path)
+    n = step_of(Path(path).name)
+    return f"step {n} ({path})" if n is not None else str(path)
 
 
 def ckpt_root(run_dir: Path) -> Path:
@@ -119,8 +121,8 @@ def _record_problem(record: object, step: int) -> str | None:
 def inspect(path: Path) -> CkptInfo:
     """Check one step directory against its commit record: fields and sizes (checksums:
     :func:`verify_checksums`)."""
-    m = _STEP_RE.match(path.name)
-    step = int(m.group(1)) if m else -1
+    n = step_of(path.name)
+    step = n if n is not None else -1
     commit = path / COMMIT
     # Bounded, never blocking on a FIFO, a directory in its place said as such.
     text, problem = rundir.read_text(commit)
@@ -136,7 +138,7 @@ def inspect(path: Path) -> CkptInfo:
         return CkptInfo(step, path, False, f"commit record is unreadable: {why}")
     files = record["files"]
     if record.get("layout") == BUFFERS:
-        if not any(re.fullmatch(r"rank-\d+\.pt", name) for name in files):
+        if not any(rundir.name_number(name, "rank-", ".pt") is not None for name in files):
             return CkptInfo(step, path, False, "commit record lists no rank-R.pt, which holds the item's layout",
                             record)
     elif METADATA not in files:
@@ -189,7 +191,7 @@ def _step_dirs(run_dir: Path) -> list[Path]:
     root = ckpt_root(run_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    found = [(n, p) for p in root.iterdir() if (n := step_of(p.name)) is not None and p.is_dir()]
     return [p for _, p in sorted(found, key=lambda sp: sp[0], reverse=True)]
 
 
@@ -203,7 +205,7 @@ def newest_complete(run_dir: Path, warn=None, verify: bool = False, below: int |
     under ``below`` if given; warns about each newer one it passes over. Inspects newest first and
     stops at the one it returns: an inspection stats every file (two per rank)."""
     for p in _step_dirs(run_dir):
-        if below is not None and (m := _STEP_RE.match(p.name)) and int(m.group(1)) >= below:   # m: always
+        if below is not None and (n := step_of(p.name)) is not None and n >= below:   # n: always
             continue
         info = inspect(p)
         problem = verify_checksums(info) if verify else info.problem
@@ -222,7 +224,7 @@ def older_candidate(failed: CkptInfo, warn=None, verify: bool = False) -> CkptIn
     return newest_complete(root.parent, warn, verify=verify, below=failed.step) if root.name == "checkpoints" else None
 
 
-_ASIDE_RE = re.compile(r"^step-(\d+)\.skipped-(\d+)(?:-(\d+))?$")
+_ASIDE_RE = re.compile(r"step-(0|[1-9][0-9]{0,17})\.skipped-([0-9]{1,18})(?:-([0-9]{1,9}))?")
 
 
 def moved_aside(run_dir: Path) -> list[Path]:
@@ -230,7 +232,7 @@ def moved_aside(run_dir: Path) -> list[Path]:
     root = ckpt_root(run_dir)
     if not root.is_dir():
         return []
-    found = [(m, p) for p in root.iterdir() if (m := _ASIDE_RE.match(p.name)) and p.is_dir()]
+    found = [(m, p) for p in root.iterdir() if (m := _ASIDE_RE.fullmatch(p.name)) and p.is_dir()]
     return [p for m, p in sorted(found, key=lambda mp: (int(mp[0].group(2)), int(mp[0].group(3) or 0),
                                                           int(mp[0].group(1))), reverse=True)]
 

@@ -17,7 +17,6 @@ an earlier step left is never taken for this one's. Its node is named as Slurm n
 from __future__ import annotations
 
 import os
-import re
 import socket
 import time
 from collections.abc import Mapping
@@ -203,10 +202,10 @@ def error_times(run_dir: Path) -> dict[int, float]:
     logs = Path(run_dir) / rundir.LOGS
     out: dict[int, float] = {}
     for p in (logs.glob("rank-*.error") if logs.is_dir() else ()):
-        m = re.fullmatch(r"rank-(\d+)\.error", p.name)
+        r = rundir.name_number(p.name, "rank-", ".error")
         try:
-            if m and len(m[1]) < 10:
-                out[int(m[1])] = p.stat().st_mtime
+            if r is not None and r < 1 << 31:
+                out[r] = p.stat().st_mtime
         except OSError:
             continue     # removed under us (a new launch clears them)
     return out
@@ -248,4 +247,5 @@ def clear(run_dir: Path) -> None:
 def present(run_dir: Path) -> list[int]:
     """The ranks that have a record, whatever step it is from."""
     d = Path(run_dir) / rundir.LOGS / DIR
-    return sorted(int(p.name[5:]) for p in d.glob("rank-*") if p.name[5:].isdigit()) if d.is_dir() else []
+    return sorted(r for p in d.glob("rank-*") if (r := rundir.name_number(p.name, "rank-")) is not None
+                  and r < 1 << 31) if d.is_dir() else []

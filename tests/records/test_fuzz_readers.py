@@ -167,3 +167,22 @@ def test_a_reader_takes_a_special_file_in_its_record_s_place(tmp_path, name, kin
 def test_sacct_s_output_of_any_text_parses(text, restart):
     runs = nodes.parse_runs(text, restart)
     assert [r.restart for r in runs] == list(range(len(runs)))
+
+
+@pytest.mark.parametrize("name, number", [
+    ("step-5", 5), ("step-0", 0), ("step-12", 12), ("step-05", None), ("step-²", None), ("step-٣", None),
+    ("step-５", None), ("step-5\n", None), ("step-", None), ("step-" + "9" * 19, None), ("step--1", None),
+    ("step-1e3", None), ("step- 4", None), ("Step-4", None), ("step-4.skipped-1", None),
+])
+def test_a_step_name_is_parsed_one_way_as_its_writer_spells_it(name, number):
+    from hpc_train.ckpt import store
+    assert rundir.name_number(name, "step-") == number == store.step_of(name)
+
+
+def test_a_rank_name_with_a_non_ascii_digit_is_no_rank(tmp_path):
+    """'rank-²' passed str.isdigit() and crashed int() in ranks.present (found by the fuzz above)."""
+    d = ranks.path(tmp_path, 0).parent
+    d.mkdir(parents=True)
+    for name in ("rank-²", "rank-٣", "rank-007", "rank-3"):
+        (d / name).write_text("{}")
+    assert ranks.present(tmp_path) == [3]
