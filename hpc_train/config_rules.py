@@ -9,14 +9,14 @@ import re
 
 from hpc_train.errors import UsageError
 
-_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_TIME_RE = re.compile(r"(?:([0-9]{1,6})-)?([0-9]{1,9})(?::([0-9]{1,9}))?(?::([0-9]{1,9}))?")   # ASCII digits: \d also takes "٣"
 OPT_LEVELS = {"O0": "fp32", "O1": "fp16", "O2": "fp16"}   # Apex's names (hpc_train.node.precision)
 STRATEGIES = ("ddp", "fsdp", "dp", "allreduce", "split", "none")   # hpc_train.node.strategies
 
 
 def time_minutes(spec: str) -> int:
     """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in whole minutes."""
-    m = _TIME_RE.match(spec.strip())
+    m = _TIME_RE.fullmatch(spec.strip())
     if not m or spec.strip().upper() in ("", "UNLIMITED"):
         raise UsageError(f"job.time: {spec!r} is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS "
                          f"(e.g. 30, 01:30:00, 2-00:00:00)")

@@ -67,15 +67,15 @@ def job_view(job_id: str) -> JobView:
     if not job_id:
         return JobView(None, None, "no job id (SLURM_JOB_ID)")
     reply = slurm.squeue("-h", "-j", job_id, "-o", "%S|%l|%N")
-    out = reply.out
-    if not out:     # unknown, or not listed: either way nothing known of it
+    lines = (reply.out or "").strip().splitlines()
+    if not lines:     # unknown, or not listed: either way nothing known of it
         return JobView(None, None, reply.why or "squeue does not list the job")
-    start, limit, nodelist = (out.strip().splitlines()[0].split("|") + ["", "", ""])[:3]
+    start, limit, nodelist = (lines[0].split("|") + ["", "", ""])[:3]
     end = None
     if limit.upper() not in ("UNLIMITED", "INFINITE", "NOT_SET", ""):
         try:
             end = time.mktime(time.strptime(start, "%Y-%m-%dT%H:%M:%S")) + 60 * time_minutes(limit)
-        except (ValueError, OverflowError):
+        except (ValueError, OverflowError, UsageError):   # squeue printed no time we can read: unknown
             end = None
     nodes = tuple(expand(nodelist.strip())) or None
     return JobView(end, nodes, "" if nodes else "squeue named no node of the job")

@@ -169,6 +169,14 @@ def test_wrong_type_or_range_names_the_field(item, field):
     assert f"{field} " in str(e.value) or f"'{field}'" in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("spec", ["٣٠", "١:٠٠:٠٠", "3٠", "1" * 10, "1-" + "2" * 10])
+def test_a_time_limit_in_other_digits_or_beyond_any_cluster_is_refused(spec):
+    """\\d took Arabic-Indic digits, which reached #SBATCH --time for Slurm to refuse."""
+    from hpc_train.config_rules import time_minutes
+    with pytest.raises(UsageError, match="job.time"):
+        time_minutes(spec)
+
+
 def test_cross_field_rule():
     with pytest.raises(UsageError, match="train.epochs"):
         config.load(None, ["train.epochs=0", "train.max_steps=0"])

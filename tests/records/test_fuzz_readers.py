@@ -186,3 +186,31 @@ def test_a_rank_name_with_a_non_ascii_digit_is_no_rank(tmp_path):
     for name in ("rank-²", "rank-٣", "rank-007", "rank-3"):
         (d / name).write_text("{}")
     assert ranks.present(tmp_path) == [3]
+
+
+# squeue's, sinfo's and sacct's output as the hook and status parse it: any text the commands could
+# print (a changed format, a wrapper's noise, another locale) gives an answer or "unknown", never an
+# exception. The commands are replaced by their reply (hpc_train.slurm is the one client).
+SLURM_TEXT = st.one_of(st.text(max_size=200),
+                       st.text(max_size=12).map(lambda lim: f"2026-01-01T00:00:00|{lim}|node1"),   # squeue %S|%l|%N
+                       st.lists(st.lists(st.text(st.characters(blacklist_characters="|\n"), max_size=20),
+                                         max_size=6).map("|".join), max_size=5).map("\n".join))
+
+
+@settings(max_examples=200, deadline=None)
+@given(SLURM_TEXT)
+def test_squeue_sinfo_and_sacct_output_of_any_text_parses(text):
+    from unittest import mock
+
+    from hpc_train import slurm
+    from hpc_train.login import scheduler
+    reply = slurm.Reply(text)
+    with mock.patch.object(slurm, "squeue", return_value=reply), mock.patch.object(slurm, "sinfo", return_value=reply), \
+            mock.patch.object(slurm, "sacct", return_value=reply):
+        view = nodes.job_view("7")
+        assert view.nodes is None or all(view.nodes)
+        states, why = nodes.node_states(["node1", "node2"])
+        assert (states is None) == bool(why)
+        answer = scheduler.query(["7", "8"])
+        assert all(isinstance(st_.state, str) for st_ in answer.states.values())
+        scheduler.query_tasks(["7_0", "7_1"])
