@@ -38,7 +38,7 @@ from hpc_train.errors import UsageError, closest, show
 from hpc_train.rundir import write_atomic
 
 
-_NODES_MAX = 65535    # more nodes than any Slurm cluster has
+_COUNT_MAX = 65535    # more nodes than any Slurm cluster has; Slurm keeps CPUs and tasks per node in 16 bits
 
 
 def _f(default: Any, *, choices: tuple[str, ...] | None = None, min: float | None = None,
@@ -61,12 +61,11 @@ _WEEK = 7 * 24 * 3600
 class JobSection:
     """Scheduler resources. Used by ``submit`` and ``sbatch``; ``run`` ignores them."""
     name: str = _f("hpc_train")
-    # Counts beyond what any Slurm cluster has are refused here, not written into #SBATCH lines
-    # (Slurm keeps CPUs and tasks per node in 16 bits).
-    nodes: int = _f(1, min=1, max=_NODES_MAX)
-    tasks_per_node: int = _f(0, min=0, max=65535)          # 0: one per GPU, else 1
-    gpus_per_node: int = _f(0, min=0, max=65535)
-    cpus_per_task: int = _f(1, min=1, max=65535)
+    # Counts beyond what any Slurm cluster has are refused here, not written into #SBATCH lines.
+    nodes: int = _f(1, min=1, max=_COUNT_MAX)
+    tasks_per_node: int = _f(0, min=0, max=_COUNT_MAX)          # 0: one per GPU, else 1
+    gpus_per_node: int = _f(0, min=0, max=_COUNT_MAX)
+    cpus_per_task: int = _f(1, min=1, max=_COUNT_MAX)
     mem: str = _f("")                            # e.g. "16G"; "" = cluster default
     time: str = _f("01:00:00")                   # Slurm time: MM, HH:MM:SS, D-HH[:MM[:SS]]
     partition: str = _f("")
@@ -88,8 +87,8 @@ class JobSection:
     # A lost node (the batch script is submitted with --no-kill when either is set): spare_nodes
     # more are allocated and idle until one replaces a lost node; min_nodes (0: job.nodes) lets
     # the run go on with fewer nodes, resharded, when no spare is left.
-    spare_nodes: int = _f(0, min=0, max=_NODES_MAX)
-    min_nodes: int = _f(0, min=0, max=_NODES_MAX)
+    spare_nodes: int = _f(0, min=0, max=_COUNT_MAX)
+    min_nodes: int = _f(0, min=0, max=_COUNT_MAX)
     # A rank named slow (dist.straggler_*) for dist.straggler_window_s: checkpoint, end the step and
     # restart it in place with its node swapped for a spare (needs spare_nodes >= 1).
     replace_stragglers: bool = _f(False)

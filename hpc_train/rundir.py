@@ -276,7 +276,8 @@ def read_text(path: Path) -> tuple[str | None, str | None]:
 # A number as hpc_train writes it into a name (step-12, rank-3.error): ASCII digits, no leading
 # zero, at most 18 of them. str.isdigit() and the regex \d also take '²' and '٣', and int()
 # refuses the first and a 5000-digit one; a name "step-5\n" matched ^step-(\d+)$.
-_NAME_NUMBER = re.compile(r"0|[1-9][0-9]{0,17}")
+NAME_NUMBER = r"0|[1-9][0-9]{0,17}"
+_NAME_NUMBER = re.compile(NAME_NUMBER)
 
 
 def name_number(name: str, prefix: str, suffix: str = "") -> int | None:

@@ -224,7 +224,7 @@ def older_candidate(failed: CkptInfo, warn=None, verify: bool = False) -> CkptIn
     return newest_complete(root.parent, warn, verify=verify, below=failed.step) if root.name == "checkpoints" else None
 
 
-_ASIDE_RE = re.compile(r"step-(0|[1-9][0-9]{0,17})\.skipped-([0-9]{1,18})(?:-([0-9]{1,9}))?")
+_ASIDE_RE = re.compile(rf"step-({rundir.NAME_NUMBER})\.skipped-([0-9]{{1,18}})(?:-([0-9]{{1,9}}))?")
 
 
 def moved_aside(run_dir: Path) -> list[Path]:

@@ -245,20 +245,14 @@ def _log_path(run_dir: Path, rank: int) -> Path:
     return rundir.rank_log(run_dir, rank)
 
 
-def _log_rank(name: str) -> int | None:
-    """R of ``rank-R.log`` or ``rank-R.error`` (a rank number, not any number)."""
-    r = rundir.name_number(name, "rank-", ".log")
-    r = rundir.name_number(name, "rank-", ".error") if r is None else r
-    return r if r is not None and r < 1 << 31 else None
-
-
 def _rank_count(run_dir: Path, submitted: bool) -> int | None:
     """How many ranks the run has, as far as its files tell: one more than the highest rank with
     a log, an error record or a heartbeat, and for a submitted run at least job.nodes x tasks per
     node from its config.yaml (`run --nproc N` does not record N there). None when nothing says."""
     from hpc_train.records import ranks
     logs = run_dir / rundir.LOGS
-    seen = [r for p in (logs.iterdir() if logs.is_dir() else ()) if (r := _log_rank(p.name)) is not None]
+    seen = [r for p in (logs.iterdir() if logs.is_dir() else ())
+            if (r := ranks.rank_of(p.name, ".log")) is not None or (r := ranks.rank_of(p.name, ".error")) is not None]
     seen += ranks.present(run_dir)
     count = max(seen) + 1 if seen else 0
     if submitted:

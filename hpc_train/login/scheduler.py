@@ -37,21 +37,7 @@ def check_resources(job: JobSection) -> None:
     out = slurm.sinfo("-h", "-o", "%P|%D|%c|%G|%a")
     if out.out is None:
         raise UsageError(sinfo_failed(out))
-    parts: dict[str, dict[str, int]] = {}   # partition -> nodes, cpus, gpus (per node)
-    default = None
-    for line in out.out.split("\n"):
-        if not line.strip():
-            continue
-        name, nodes, cpus, gres, _avail = line.split("|")
-        base = name.rstrip("*")
-        if name.endswith("*"):
-            default = base
-        p = parts.setdefault(base, {"nodes": 0, "cpus": 0, "gpus": 0})
-        p["nodes"] += int(nodes)
-        p["cpus"] = max(p["cpus"], int(re.sub(r"\D", "", cpus) or 0))
-        g = re.search(r"gpu(?::[^:(,]+)?:(\d+)", gres)
-        p["gpus"] = max(p["gpus"], int(g.group(1)) if g else 0)
-    # sinfo lists a default partition with a trailing "*"; strip it for the name lookup
+    parts, default = _partitions(out.out)
     partition = job.partition or default
     if partition not in parts:
         raise UsageError(f"job.partition: unknown partition '{job.partition}'{closest(job.partition, parts)} "
@@ -71,6 +57,29 @@ def check_resources(job: JobSection) -> None:
         raise UsageError(f"job.tasks_per_node x job.cpus_per_task = {tasks} x {job.cpus_per_task} CPUs, but "
                          f"nodes in '{partition}' have {p['cpus']}")
 
+
+
+def _partitions(text: str) -> tuple[dict[str, dict[str, int]], str | None]:
+    """``sinfo -h -o %P|%D|%c|%G|%a`` as partition -> nodes, CPUs and GPUs per node, and the
+    default partition (sinfo marks it with a trailing "*"). A line not in that form (a wrapper's
+    noise, another version's format) is left out, never a traceback; numbers are ASCII digits."""
+    parts: dict[str, dict[str, int]] = {}
+    default = None
+    for line in text.splitlines():
+        f = line.split("|")
+        if len(f) != 5 or not re.fullmatch(r"[0-9]{1,9}", f[1].strip()):
+            continue
+        name, nodes, cpus, gres, _avail = f
+        base = name.rstrip("*")
+        if name.endswith("*"):
+            default = base
+        p = parts.setdefault(base, {"nodes": 0, "cpus": 0, "gpus": 0})
+        p["nodes"] += int(nodes)
+        c = re.match(r"[0-9]{1,9}", cpus.strip())          # "4" or "4+" (nodes of more than one size)
+        p["cpus"] = max(p["cpus"], int(c.group()) if c else 0)
+        g = re.search(r"gpu(?::[^:(,]+)?:([0-9]{1,9})", gres)
+        p["gpus"] = max(p["gpus"], int(g.group(1)) if g else 0)
+    return parts, default
 
 
 # How Slurm's commands say that no controller can be reached: none is configured here (no
@@ -99,7 +108,7 @@ def max_array_size() -> int | None:
     """The cluster's MaxArraySize (one ``scontrol show config``): an array of N tasks needs
     N <= MaxArraySize (indices 0..N-1). None when it cannot be read."""
     out = slurm.scontrol("show", "config")
-    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out.out or "", re.M)
+    m = re.search(r"^MaxArraySize\s*=\s*([0-9]{1,9})\s*$", out.out or "", re.M)
     return int(m.group(1)) if m else None
 
 def tasks_per_node(job: JobSection) -> int:

@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping
 from typing import TypeGuard
 
+from hpc_train.errors import show
+
 
 class Bad(ValueError):
     """A field that is not what its record says it is; the message names the field."""
@@ -21,7 +23,7 @@ def count(d: Mapping[str, object], key: str, default: int | None = None, lo: int
     """An integer in ``lo..hi`` (a count, a rank, a step)."""
     v = d.get(key, default)
     if not is_int(v) or not lo <= v <= hi:
-        raise Bad(f"{key} is {_short(v)}, not an integer from {lo} to {hi}")
+        raise Bad(f"{key} is {show(v, 40)}, not an integer from {lo} to {hi}")
     return v
 
 
@@ -44,14 +46,8 @@ def number(d: Mapping[str, object], key: str, default: float | None = None) -> f
     """A finite number (a time, a duration)."""
     v = d.get(key, default)
     if not finite(v):
-        raise Bad(f"{key} is {_short(v)}, not a finite number")
+        raise Bad(f"{key} is {show(v, 40)}, not a finite number")
     return float(v)
-
-
-def _short(v: object) -> str:
-    """A value for a one-line message: a 400-digit integer is cut, not printed whole."""
-    r = repr(v)
-    return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
 
 
 def opt_number(d: Mapping[str, object], key: str) -> float | None:

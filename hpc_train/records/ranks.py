@@ -197,14 +197,20 @@ def error_line(run_dir: Path, rank: int, since: float) -> str | None:
     return line[:300] if line else None
 
 
+def rank_of(name: str, suffix: str = "") -> int | None:
+    """R of a rank's file name ``rank-R`` + ``suffix``, when R is a rank number (below 2^31)."""
+    r = rundir.name_number(name, "rank-", suffix)
+    return r if r is not None and r < 1 << 31 else None
+
+
 def error_times(run_dir: Path) -> dict[int, float]:
     """Every rank's error file (``logs/rank-R.error``) and when it was written: rank -> mtime."""
     logs = Path(run_dir) / rundir.LOGS
     out: dict[int, float] = {}
     for p in (logs.glob("rank-*.error") if logs.is_dir() else ()):
-        r = rundir.name_number(p.name, "rank-", ".error")
+        r = rank_of(p.name, ".error")
         try:
-            if r is not None and r < 1 << 31:
+            if r is not None:
                 out[r] = p.stat().st_mtime
         except OSError:
             continue     # removed under us (a new launch clears them)
@@ -247,5 +253,4 @@ def clear(run_dir: Path) -> None:
 def present(run_dir: Path) -> list[int]:
     """The ranks that have a record, whatever step it is from."""
     d = Path(run_dir) / rundir.LOGS / DIR
-    return sorted(r for p in d.glob("rank-*") if (r := rundir.name_number(p.name, "rank-")) is not None
-                  and r < 1 << 31) if d.is_dir() else []
+    return sorted(r for p in d.glob("rank-*") if (r := rank_of(p.name)) is not None) if d.is_dir() else []

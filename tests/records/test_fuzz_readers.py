@@ -214,3 +214,26 @@ def test_squeue_sinfo_and_sacct_output_of_any_text_parses(text):
         answer = scheduler.query(["7", "8"])
         assert all(isinstance(st_.state, str) for st_ in answer.states.values())
         scheduler.query_tasks(["7_0", "7_1"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(SLURM_TEXT, st.lists(st.sampled_from(["debug*|2|4|(null)|up", "gpu|1|8+|gpu:a100:4|up", "x|٣|4|g|up",
+                                                        "y|" + "9" * 20 + "|1|g|up", "z|1|2", "|||||"]),
+                                      max_size=6).map("\n".join)))
+def test_sinfo_and_scontrol_output_of_any_text_is_an_answer_or_one_line(text):
+    """What submit asks before it submits: the partitions (sinfo) and MaxArraySize (scontrol)."""
+    from unittest import mock
+
+    from hpc_train import slurm
+    from hpc_train.config import load
+    from hpc_train.errors import UsageError
+    from hpc_train.login import scheduler
+    job = load(None, []).job
+    with mock.patch.object(slurm, "sinfo", return_value=slurm.Reply(text)), \
+            mock.patch.object(slurm, "scontrol", return_value=slurm.Reply(text)):
+        try:
+            scheduler.check_resources(job)
+        except UsageError as e:
+            assert "\n" not in str(e)
+        limit = scheduler.max_array_size()
+        assert limit is None or 0 <= limit < 10**9
