@@ -71,8 +71,6 @@ def _call(cmd: list[str], empty_ok: bool, timeout: float = TIMEOUT_S) -> Reply:
         return Reply(None, f"{cmd[0]} could not start ({type(e).__name__}: {e})")
     said = _said(out)
     if out.returncode != 0:
-        if cmd[0] == "squeue" and any(_NOT_QUEUED in line for line in said):
-            return Reply("", "", said)
         return Reply(None, f"{cmd[0]} failed: {said[-1][:300] if said else f'exit status {out.returncode}'}", said)
     if not empty_ok and not out.stdout.strip():
         return Reply(None, f"{cmd[0]} answered nothing", said)
@@ -80,7 +78,10 @@ def _call(cmd: list[str], empty_ok: bool, timeout: float = TIMEOUT_S) -> Reply:
 
 
 def squeue(*args: str, empty_ok: bool = False) -> Reply:
-    return _call(["squeue", *args], empty_ok)
+    reply = _call(["squeue", *args], empty_ok)
+    if reply.out is None and any(_NOT_QUEUED in line for line in reply.said):
+        return Reply("", "", reply.said)      # one job asked about has left the queue: not listed
+    return reply
 
 
 def sacct(*args: str, empty_ok: bool = False) -> Reply:
