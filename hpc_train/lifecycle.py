@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING
 
 from hpc_train import config as config_mod
 from hpc_train import rundir
+from hpc_train.advice import Advice
 from hpc_train.config import Config
 from hpc_train.errors import UsageError
 from hpc_train.node import session as session_mod
+from hpc_train.node.policy import Entry, ExitPolicy, policy
 
 if TYPE_CHECKING:
     import torch
@@ -41,11 +43,11 @@ def current() -> Run | None:
     return _current
 
 
-def start(session: session_mod.Session, device: torch.device, owns_group: bool = False) -> Run:
+def start(session: session_mod.Session, device: torch.device) -> Run:
     """Make a Run the process's own (the worker does this before the user's code runs)."""
     global _current
     from hpc_train.run import Run
-    _current = Run(session.cfg, session.env, session.run_dir, device, session.stop, session, owns_group)
+    _current = Run(session, device)
     return _current
 
 
@@ -60,35 +62,52 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
     """The process's Run (see :func:`hpc_train.init`)."""
     if _current is not None:
         return _current
+    import torch.distributed as dist
+    # Under hpc_train's launcher (a --script), which chose, checked and wrote the config.
+    entry = Entry.SCRIPT if rundir.CONFIG_ENV in os.environ else Entry.PROGRAM
+    # A program that set up its own process group (its own init_process_group) keeps it.
+    chosen = policy(entry).group_found() if dist.is_initialized() else policy(entry)
+    try:
+        cfg, rd = _config(config, run_dir, list(overrides), chosen)
+        s = session_mod.begin(cfg, rd, chosen)
+    except UsageError as e:
+        session_mod.refuse_or_exit(e)
+    run = start(s, _group_and_verdict(s))
+    atexit.register(_at_exit, run)
+    _one_line_failures(run)
+    return run
+
+
+def _config(config: Config | str | os.PathLike | None, run_dir: str | os.PathLike | None,
+            overrides: list[str], chosen: ExitPolicy) -> tuple[Config, Path]:
+    """The config and the run directory ``init()`` was given, or the launcher's; a finished run
+    leaves here (exit 0)."""
+    cfg = config if isinstance(config, Config) else config_mod.load(
+        str(config) if config else os.environ.get(rundir.CONFIG_ENV), overrides)
+    if chosen.prelaunch:   # a user's own program: nobody named it in its config
+        cfg = _name_own_program(cfg)
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else ""
+    rd = Path(run_dir or os.environ.get(rundir.RUN_DIR_ENV) or cfg.run_dir or f"runs/{script or 'hpc_train'}")
+    if os.environ.get(rundir.RESUME_ENV, "latest") != "none":
+        _leave_if_finished(rd, cfg, chosen.advice)
+    return cfg, rd
+
+
+def _group_and_verdict(s: session_mod.Session) -> torch.device:
+    """The process group, then rank 0's claim and pre-launch, its verdict on every rank: a
+    refused run exits 2 on every rank together. Returns the rank's device."""
     import torch
     import torch.distributed as dist
 
     from hpc_train.node import group
-    under_launcher = rundir.CONFIG_ENV in os.environ   # hpc_train's launcher chose, checked and wrote the config
-    resume = os.environ.get(rundir.RESUME_ENV, "latest")
     try:
-        cfg = config if isinstance(config, Config) else config_mod.load(
-            str(config) if config else os.environ.get(rundir.CONFIG_ENV), list(overrides))
-        if not under_launcher:
-            cfg = _name_own_program(cfg)
-        script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") else ""
-        rd = Path(run_dir or os.environ.get(rundir.RUN_DIR_ENV) or cfg.run_dir or f"runs/{script or 'hpc_train'}")
-        if resume != "none":
-            _leave_if_finished(rd, cfg, under_launcher)
-        s = session_mod.begin(cfg, rd, own_process=False, escalate=True)
-        s.launched = under_launcher
-    except UsageError as e:
-        session_mod.refuse_or_exit(e)
-    owns = not dist.is_initialized()
-    try:
-        if owns:
-            device = group.init(s.env, cfg.dist)
+        if s.policy.owns_group:
+            device = group.init(s.env, s.cfg.dist)
         else:
-            # The script set up its own group (its own init_process_group): use it as it is.
             backend = dist.get_backend()
             device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend)
                       else torch.device("cpu"))
-        problem = _prepare(s, under_launcher, resume)
+        problem = _prepare(s)
         refused = _rank0_refuses(problem, s.env.world_size, device)
     except BaseException:
         s.close()   # no Run to close it: the lock, and the stop signals' handlers given back
@@ -97,22 +116,19 @@ def init(config: Config | str | os.PathLike | None = None, *, run_dir: str | os.
         if problem:
             print(problem, file=sys.stderr)
         s.close()
-        if owns:
+        if s.policy.owns_group:
             group.shutdown(True)
         raise SystemExit(2)
-    run = start(s, device, owns_group=owns)
-    atexit.register(_at_exit, run, not under_launcher)
-    _one_line_failures(run)
-    return run
+    return device
 
 
-def _leave_if_finished(rd: Path, cfg: Config, under_launcher: bool) -> None:
+def _leave_if_finished(rd: Path, cfg: Config, advice: Advice) -> None:
     """A finished run exits 0 on every rank before anything is written, its log included: nothing is left to run."""
     done = session_mod.finished_result(rd)   # the same record on every rank: all leave, with no collective
     if done is None:
         return
     from hpc_train.ckpt import compat
-    compat.check_finished(rd, cfg, launched=under_launcher)   # other arguments: refused, not ignored
+    compat.check_finished(rd, cfg, advice)   # other arguments: refused, not ignored
     from hpc_train.node import environment
     if environment.current().rank == 0:
         print(session_mod.finished_line(rd, done, f"{rundir.RESUME_ENV}=none"), file=sys.stderr)
@@ -173,30 +189,28 @@ def _one_line_failures(run: Run) -> None:
     sys.excepthook = hook
 
 
-def _prepare(s: session_mod.Session, under_launcher: bool, resume: str) -> str | None:
-    """Rank 0: the run directory's lock (unless a launcher of ours holds it); outside hpc_train's
-    launchers (which did the rest before starting any process) the pre-launch sequence
-    (:func:`hpc_train.ckpt.prelaunch.prelaunch`: the config checked against the checkpoints',
-    the resume plan, the config written). Other ranks start their heartbeat. Returns what
-    refuses the run, or None. (A finished run was refused before: ``HPC_TRAIN_RESUME=none``
-    starts it over.)"""
-    if not s.is_main:
-        session_mod.claim(s, lock=False)
-        s.finished = None
-        return None
+def _prepare(s: session_mod.Session) -> str | None:
+    """Rank 0: the run directory's lock (unless a launcher of ours holds it) and, where the
+    policy says ``prelaunch`` (outside hpc_train's launchers, which did the rest before starting
+    any process), the pre-launch sequence (:func:`hpc_train.ckpt.prelaunch.prelaunch`: the config
+    checked against the checkpoints', the resume plan, the config written). Other ranks start
+    their heartbeat. After the group is up, so that a refusal reaches every rank at once: a rank
+    left waiting in the rendezvous would hang until dist.init_timeout_s (a plain srun does not
+    end it). Returns what refuses the run, or None. (A finished run was refused before:
+    ``HPC_TRAIN_RESUME=none`` starts it over.)"""
     try:
-        # After the group is up, so that a refusal reaches every rank at once: a rank left waiting
-        # in the rendezvous would hang until dist.init_timeout_s (a plain srun does not end it).
-        session_mod.claim(s, lock=not session_mod.launcher_holds_lock())
+        session_mod.claim(s)
         s.finished = None
-        if not under_launcher:
-            session_mod.prelaunch(s, resume)
+        if s.is_main and s.policy.prelaunch:
+            session_mod.prelaunch(s, os.environ.get(rundir.RESUME_ENV, "latest"))
     except UsageError as e:
+        if not s.is_main:
+            raise
         return f"hpc_train: {e}"
     return None
 
 
-def resume_hint(source: str) -> str:
+def how_to_resume(source: str) -> str:
     """How to resume this process's run, as the user started it."""
     if source == "torchrun":
         try:
@@ -215,16 +229,17 @@ def resume_hint(source: str) -> str:
     return shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
 
 
-def _at_exit(run: Run, owns_command_line: bool = True) -> None:
+def _at_exit(run: Run) -> None:
     """The exit of a process whose Run ``init()`` built: the one teardown, then, after a stop,
     a non-zero exit code, so a shell, torchrun and Slurm see that the run did not finish (a
     loop that ends with ``raise SystemExit`` or falls off the end would exit 0). A finished
     run's exit ignores SIGTERM and the job's signal (see ``StopRequest.leaving_finished``).
 
-    ``owns_command_line``: the user typed this process's command (``python train.py``,
-    ``torchrun``, ``srun``). A script supervised by hpc_train's launchers did not: its own
-    command line (``python -u train.py ...``) starts another run when followed, so only the
-    launcher, which knows the command the user typed, says how to resume.
+    Rank 0 says how to resume where the policy says ``resume_hint``: the user typed this
+    process's command (``python train.py``, ``torchrun``, ``srun``). A script supervised by
+    hpc_train's launchers did not: its own command line (``python -u train.py ...``) starts
+    another run when followed, so only the launcher, which knows the command the user typed,
+    says how to resume.
 
     Hazard: leaving through ``os._exit`` skips exit handlers registered before ``init()``;
     those registered after it (the user's, usually) have run already, and logging is flushed here."""
@@ -235,10 +250,10 @@ def _at_exit(run: Run, owns_command_line: bool = True) -> None:
         run.close(failed=failed)
     finally:
         if run.stopped and not failed:
-            if run.is_main and owns_command_line:
+            if run.is_main and run._session.policy.resume_hint:
                 print(f"hpc_train: stopped by {run.stop.name} at step {run.stop_step} "
                       f"({'checkpoint saved' if run.config.checkpoint.enabled else 'nothing saved: checkpoints are off'}); "
-                      f"resume with: {resume_hint(run.env.source)}", file=sys.stderr)
+                      f"resume with: {how_to_resume(run.env.source)}", file=sys.stderr)
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

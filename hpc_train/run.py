@@ -55,13 +55,13 @@ log = logging.getLogger("hpc_train")
 class Run:
     """One process's handle on the job. Build it with :func:`hpc_train.init`."""
 
-    def __init__(self, cfg: Config, env: NodeEnv, run_dir: Path, device: torch.device, stop: StopRequest,
-                 session: Session | None = None, owns_group: bool = False) -> None:
+    def __init__(self, session: Session, device: torch.device) -> None:
+        cfg, env = session.cfg, session.env
         self.config: Config = cfg
         self.env: NodeEnv = env
-        self.run_dir: Path = Path(run_dir)
+        self.run_dir: Path = Path(session.run_dir)
         self.device: torch.device = device
-        self.stop = stop
+        self.stop: StopRequest = session.stop
         self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
         self.local_world_size, self.node_rank = env.local_world_size, env.node_rank
         self.is_main: bool = env.rank == 0
@@ -90,11 +90,9 @@ class Run:
         self._result: dict[str, Any] = {}
         self._prev_step: int | None = None   # the step the last step_end saw
         self._session = session   # the run directory's side of the lifecycle (hpc_train.node.session)
-        self._owns_group = owns_group   # this Run's lifecycle set up the process group: close() ends it
-        self._leave_group = False   # the process ends through os._exit: close() leaves the group to it
         self._closed = False
         from hpc_train.node import hang
-        self._progress, self._watches = hang.watch(cfg.dist, env, self.run_dir, session, owns_group)
+        self._progress, self._watches = hang.watch(cfg.dist, session)
 
     # -- what the loop asks ----------------------------------------------------------------
     def long_phase(self, name: str = "evaluation") -> contextlib.AbstractContextManager:
@@ -210,7 +208,7 @@ class Run:
                                      device=self.device, multi=self._multi, kinds=kinds,
                                      spec=os.environ.get(rundir.RESUME_ENV, "latest"),
                                      requeued=self.env.restart_count > 0,
-                                     launched=self._session is not None and self._session.launched,
+                                     advice=self._session.policy.advice,
                                      local=self._local_tier())
         self._start_step = state["step"] if source is not None else 0
         self._progress.leave(before)
@@ -372,12 +370,12 @@ class Run:
                 raise
         finally:
             try:
-                if self._session is not None:
-                    self._session.close(finished=self.finished)
+                self._session.close(finished=self.finished)
             finally:
-                if self._owns_group:
-                    from hpc_train.node import group
-                    group.shutdown(not failed, destroy=not self._leave_group)
+                policy = self._session.policy
+                if policy.owns_group:   # this Run's lifecycle set up the process group: it ends it,
+                    from hpc_train.node import group   # or leaves it to the process's os._exit
+                    group.shutdown(not failed, destroy=not policy.leaving)
 
     def __enter__(self) -> Run:
         return self

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from hpc_train import rundir
+from hpc_train.advice import FLAGS, Advice
 from hpc_train.ckpt import store
 from hpc_train.config import Config
 from hpc_train.errors import UsageError
@@ -111,13 +112,10 @@ def code_change(old: Mapping[str, object], new: Mapping[str, object],
     return None if same else (_describe(before), _describe(after))
 
 
-def _ways_out(run_dir: Path, launched: bool) -> str:
+def _ways_out(run_dir: Path, advice: Advice) -> str:
     """What to do instead, in the words of the path the user took."""
-    if launched:
-        return (f"give another --run-dir (add --resume {run_dir} to start from its checkpoints), or --resume none "
-                f"to start over here (its checkpoints are moved aside)")
-    return (f"set {rundir.RUN_DIR_ENV} to another directory (add {rundir.RESUME_ENV}={run_dir} to start from its "
-            f"checkpoints), or {rundir.RESUME_ENV}=none to start over here (its checkpoints are moved aside)")
+    return (f"give {advice.other_run_dir()} (add {advice.resume(str(run_dir))} to start from its checkpoints), or "
+            f"{advice.resume('none')} to start over here (its checkpoints are moved aside)")
 
 
 def _saved_signature(run_dir: Path) -> dict[str, Any] | None:
@@ -136,10 +134,9 @@ def _old_config(run_dir: Path) -> dict[str, object] | None:
     return old if isinstance(old, dict) else None
 
 
-def check_resume_changes(run_dir: Path, new: Config, warn, launched: bool = True) -> None:
+def check_resume_changes(run_dir: Path, new: Config, warn, advice: Advice = FLAGS) -> None:
     """Before any worker starts: compare with the config the run's checkpoints were made with.
-    ``launched``: the user speaks to hpc_train in flags (``run``, ``submit``); else, inside their
-    own program, in variables (a refusal's advice says it their way)."""
+    ``advice``: how the user speaks to hpc_train (a refusal's way out says it their way)."""
     if not any((Path(run_dir) / rundir.CHECKPOINTS).glob(f"step-*/{rundir.COMMIT}")):
         return
     old = _old_config(run_dir)
@@ -149,27 +146,24 @@ def check_resume_changes(run_dir: Path, new: Config, warn, launched: bool = True
     if change:
         again = "its own config" if change[0].startswith("the built-in") else change[0]
         raise UsageError(f"{run_dir} holds checkpoints of {change[0]}; this run is {change[1]}: continue it with "
-                         f"{again}, or {_ways_out(run_dir, launched)}")
+                         f"{again}, or {_ways_out(run_dir, advice)}")
     refused, applied = changes_on_resume(old, new)
     if refused:
-        tail = ("Use the original values, or a new --run-dir (or --resume none)" if launched else
-                f"Use the original values, or set {rundir.RUN_DIR_ENV} to another directory "
-                f"(or {rundir.RESUME_ENV}=none)")
+        tail = f"Use the original values, or {advice.other_run_dir()} (or {advice.resume('none')})"
         raise UsageError(f"{run_dir} was trained with another config, which its checkpoints cannot load into: "
                          f"{'; '.join(refused)}. {tail}")
     for line in applied:
         warn(f"resuming with a changed config: {line} (applies from the resumed step on)")
 
 
-def check_finished(run_dir: Path, new: Config, launched: bool = True) -> None:
+def check_finished(run_dir: Path, new: Config, advice: Advice = FLAGS) -> None:
     """A finished run is never trained again; a rerun that asks for something else (another
     script, or the same script with other arguments) is refused, naming the difference, rather
     than answered with "nothing to do" as though it had been run."""
     old = _old_config(run_dir)
     if old is None:
         return
-    how = ("use --resume none to start over, or another --run-dir" if launched else
-           f"set {rundir.RESUME_ENV}=none to start over, or {rundir.RUN_DIR_ENV} to another directory")
+    how = f"use {advice.resume('none')} to start over, or {advice.other_run_dir()}"
     change = code_change(old, new.to_dict(), _saved_signature(run_dir))
     if change:
         raise UsageError(f"{run_dir} holds a finished run of {change[0]}; this run is {change[1]}: {how}")

@@ -28,6 +28,7 @@ from typing import Any
 
 from hpc_train import config as config_mod
 from hpc_train import config_local, rundir
+from hpc_train.advice import FLAGS, Advice
 from hpc_train.ckpt import compat, store
 from hpc_train.config import Config
 from hpc_train.errors import UsageError
@@ -36,13 +37,13 @@ from hpc_train.errors import UsageError
 def prelaunch(run_dir: Path, cfg: Config, resume: str, *, warn: Callable[[str], None],
               signature: dict[str, Any] | None = None, lock: rundir.RunDirLock | None = None,
               hold: bool = True, verify: bool = True, requeued: bool = False,
-              launched: bool = True) -> store.ResumePlan:
+              advice: Advice = FLAGS) -> store.ResumePlan:
     """Steps 1-5 of the module docstring; returns the plan (``plan.finished``: the run finished,
     nothing was written). ``lock``: taken here (``hold``: kept on return, else released: a check
     that no run holds it); None when the caller holds it. ``signature``: the model signature the
     checkpoint must match (the built-in trainer's); ``verify``: read the chosen checkpoint's
     checksums now; ``requeued``: a later incarnation of a job (``--resume PATH`` yields to the
-    run's own newest checkpoint); ``launched``: a refusal's advice names flags (``--run-dir``),
+    run's own newest checkpoint); ``advice``: a refusal's way out names flags (``--run-dir``),
     else the variables a user's own program takes (``HPC_TRAIN_RUN_DIR``)."""
     run_dir = Path(run_dir)
     rundir.check_path(run_dir, "the run directory")
@@ -55,7 +56,7 @@ def prelaunch(run_dir: Path, cfg: Config, resume: str, *, warn: Callable[[str], 
         lock.acquire()
         took = lock
     try:
-        plan = _decide(run_dir, cfg, resume, signature, warn, verify, requeued, launched)
+        plan = _decide(run_dir, cfg, resume, signature, warn, verify, requeued, advice)
         if plan.finished:
             if took is not None and not hold:
                 took.release()
@@ -75,12 +76,12 @@ def prelaunch(run_dir: Path, cfg: Config, resume: str, *, warn: Callable[[str], 
 
 
 def _decide(run_dir: Path, cfg: Config | None, resume: str, signature: dict[str, Any] | None,
-            warn: Callable[[str], None], verify: bool, requeued: bool, launched: bool = True) -> store.ResumePlan:
+            warn: Callable[[str], None], verify: bool, requeued: bool, advice: Advice = FLAGS) -> store.ResumePlan:
     """Steps 3 and 4: what a launch decides, and what :func:`predict` foresees of it."""
     if resume != "none" and cfg is not None:
         if store.is_finished(run_dir):
-            compat.check_finished(run_dir, cfg, launched)
-        compat.check_resume_changes(run_dir, cfg, warn, launched)
+            compat.check_finished(run_dir, cfg, advice)
+        compat.check_resume_changes(run_dir, cfg, warn, advice)
     try:
         return store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
     except UsageError as e:

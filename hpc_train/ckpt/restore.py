@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_train.advice import VARIABLES, Advice
 from hpc_train import rundir
 from hpc_train.ckpt import load as checkpoint
 from hpc_train.ckpt import store
@@ -31,12 +32,12 @@ _PATH_BYTES = 4096   # a checkpoint path, broadcast as a fixed-size byte tensor 
 
 def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int, device: torch.device,
             multi: bool, kinds: Mapping[str, str], spec: str, requeued: bool = False,
-            launched: bool = False, local=None) -> store.CkptInfo | None:
+            advice: Advice = VARIABLES, local=None) -> store.CkptInfo | None:
     """Load the agreed checkpoint into ``state``; returns what was loaded, None when fresh.
     ``spec``: ``latest``, ``none`` (the launcher already moved old checkpoints aside) or a path;
     ``requeued``: a requeued job goes on from its own newest checkpoint, not a given path;
-    ``launched``: started by hpc_train's run/submit/sbatch (an error's advice names ``--resume``,
-    else ``HPC_TRAIN_RESUME``). ``local``: this rank's :class:`hpc_train.ckpt.local.LocalTier`,
+    ``advice``: how the user speaks to hpc_train (an error's way out names ``--resume``, or
+    ``HPC_TRAIN_RESUME`` in their own program). ``local``: this rank's :class:`hpc_train.ckpt.local.LocalTier`,
     tried first when it holds a step at least as new as the shared tier's (see :func:`_local_allowed`). When none loads: one :class:`CheckpointError` naming each."""
     is_main = rank == 0
     t0 = time.perf_counter()
@@ -74,7 +75,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
     if shared_error is not None:
         raise shared_error
     source, record = _load_shared(state, source, run_dir, rank=rank, world_size=world_size, device=device,
-                                  multi=multi, kinds=kinds, launched=launched)
+                                  multi=multi, kinds=kinds, advice=advice)
     if local is not None:
         local.restored(source.step if source is not None else 0)
     if source is not None:
@@ -86,7 +87,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
 
 def _load_shared(state: dict[str, Any], source: store.CkptInfo | None, run_dir: Path, *, rank: int,
                  world_size: int, device: torch.device, multi: bool, kinds: Mapping[str, str],
-                 launched: bool) -> tuple[store.CkptInfo | None, dict[str, Any]]:
+                 advice: Advice) -> tuple[store.CkptInfo | None, dict[str, Any]]:
     """Load ``source`` or the next older one that loads everywhere: ranks that fell back alone would hang."""
     record: dict[str, Any] = {}
     tried: list[tuple[int, str]] = []     # (step, why it did not load), for the error if none does
@@ -115,7 +116,7 @@ def _load_shared(state: dict[str, Any], source: store.CkptInfo | None, run_dir: 
             # State may be partly overwritten by the failed load: never train on from it.
             if isinstance(error, UsageError):   # the state does not fit (its own message says how)
                 raise error
-            raise CheckpointError(_none_loads(source.path.parent, tried, launched)) from None
+            raise CheckpointError(_none_loads(source.path.parent, tried, advice)) from None
         source = older
     return source, record
 
@@ -156,16 +157,13 @@ def _from_local(state: dict[str, Any], local, shared: store.CkptInfo | None, ran
     return None if failed else item
 
 
-def _none_loads(root: Path, tried: list[tuple[int, str]], launched: bool) -> str:
+def _none_loads(root: Path, tried: list[tuple[int, str]], advice: Advice) -> str:
     """One line for a restore that found no checkpoint it could load: each one tried and why,
     and what to do, in the words of how this process was started (as ``run`` says it when its
     own check finds every checkpoint damaged)."""
     listing = "; ".join(f"step {step}: {why}" for step, why in tried[:5])
-    if launched:
-        how = "Use --resume none to move them aside and start over, or --resume PATH"
-    else:
-        how = (f"Set {rundir.RESUME_ENV}=none to move them aside and start over, or "
-               f"{rundir.RESUME_ENV}=PATH to resume from another checkpoint")
+    how = (f"Use {advice.resume('none')} to move them aside and start over, or {advice.resume('PATH')} "
+           f"to resume from another checkpoint")
     return (f"{root} holds checkpoints but none loads ({listing}); refusing to restart from scratch over "
             f"them. {how}")
 

@@ -63,10 +63,10 @@ def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str, port: int,
            lock_fd: int | None = None) -> list[subprocess.Popen]:
     from hpc_train.goodput import process_start_time
     from hpc_train.node.watchdog import die_with_parent
-    launched = f"{process_start_time():.3f}"   # the goodput ledger counts start-up from here
+    launched_at = f"{process_start_time():.3f}"   # the goodput ledger counts start-up from here
     procs: list[subprocess.Popen] = []
     for rank in range(nproc):
-        env = {**os.environ, rundir.LAUNCHER_ENV: "local", rundir.LAUNCHED_AT_ENV: launched,
+        env = {**os.environ, rundir.LAUNCHER_ENV: "local", rundir.LAUNCHED_AT_ENV: launched_at,
                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
                rundir.RESUME_ENV: resume}

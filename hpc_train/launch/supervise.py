@@ -145,7 +145,7 @@ def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequ
     watch = joined.JoinWatch(proc.pid, env.rank, env.world_size, env.master_addr, env.master_port,
                              joined.warn_after(os.environ))
     forwarded_at: float | None = None
-    launched = time.monotonic()
+    started_at = time.monotonic()
     next_look = time.monotonic() + LOOK_EVERY_S
     exit_fd = _exit_fd(proc.pid)
     while proc.poll() is None:
@@ -166,7 +166,7 @@ def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequ
         if stop.requested and forwarded_at is None:
             forwarded_at = time.monotonic()
             log.info("%s received: passing SIGTERM to the script (pid %d, running for %.1f s)", stop.name,
-                     proc.pid, forwarded_at - launched)
+                     proc.pid, forwarded_at - started_at)
             try:
                 proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:

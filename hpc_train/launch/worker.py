@@ -23,6 +23,7 @@ from hpc_train import rundir
 from hpc_train import goodput, threads
 from hpc_train.launch import standby
 from hpc_train.node import environment, session, watchdog
+from hpc_train.node.policy import Entry, policy
 from hpc_train.config import Config
 from hpc_train.errors import RunFailure, ScriptFailed, UsageError, says_peer_lost
 
@@ -31,68 +32,84 @@ log = logging.getLogger("hpc_train")
 
 def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
                target: Callable[..., Any] | None = None, args: tuple = (), kwargs: dict | None = None,
-               leaving: bool = False, prelaunch: bool = False) -> Any:
+               prepared: bool = True) -> Any:
     """Run this process's share of the job: the built-in trainer, ``train.fn``, ``target(*args,
     **kwargs)`` or, under supervision, ``train.script``. Returns the trainer's result dict (the
-    same on every rank) or the callable's return value. ``leaving``: the caller ends the process
-    through :func:`exit_done` or :func:`exit_now`, so the process group is left for the exit to
-    release (see :func:`hpc_train.node.group.shutdown`). ``prelaunch``: no launcher prepared the
-    run directory (a plain sbatch script's job step, whose config travels in the script): rank 0
-    runs the pre-launch sequence before anything trains."""
-    if isinstance(cfg, dict):
-        cfg = config_mod.from_dict(cfg)
+    same on every rank) or the callable's return value. The caller ends the process through
+    :func:`exit_done` or :func:`exit_now` (the policy's ``leaving``: the process group is left
+    for that exit to release, see :func:`hpc_train.node.group.shutdown`). ``prepared``: a
+    launcher prepared the run directory; else (a plain sbatch script's job step, whose config
+    travels in the script) rank 0 runs the pre-launch sequence before anything trains."""
+    cfg = config_mod.from_dict(cfg) if isinstance(cfg, dict) else cfg
     # Started ahead of its step (job.standby): imports, then waits for the go.
     waited = standby.await_go(cfg) if standby.active() else None
-    rd = Path(run_dir) if run_dir else cfg.resolved_run_dir()
-    script = bool(cfg.train.script and target is None)
-    s = session.begin(cfg, rd, own_process=True, escalate=not script)
-    env = s.env
+    entry = _entry(cfg, target)
+    chosen = policy(entry) if prepared else policy(entry).unprepared()
+    s = session.begin(cfg, Path(run_dir) if run_dir else cfg.resolved_run_dir(), chosen)
     if waited is not None:
         log.info("rank %d: this step's process was a standby, started %.1f s before it (job.standby)",
-                 env.rank, waited)
+                 s.env.rank, waited)
     try:
-        session.claim(s, lock=env.rank == 0 and not session.launcher_holds_lock(), beat_files=script)
-        if s.finished is not None:
-            # A finished run never trains again, whether requeued or resubmitted.
-            log.info("%s holds a finished run (result.json); not training again", rd)
-            return s.finished
-        # Before anything of the run imports torch (a script child reads it at its own import).
-        n = threads.apply(os.environ, cfg.dist.threads_per_rank)
-        if n is not None and env.rank == 0:
-            log.info("%s", threads.line(n))
-        if prelaunch and env.rank == 0:
-            from hpc_train.trainer.signature import expected
-            session.prelaunch(s, os.environ.get(rundir.RESUME_ENV, "latest"),
-                              expected(cfg) if not (cfg.train.script or cfg.train.fn or target) else None)
-        if script:
-            from hpc_train.launch.supervise import supervise
-            out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, env, rd, s.stop)
-            s.close(finished=not out.get("stopped"), record_goodput=True)
-            return out
-        goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code
-        out = _run(s, target, args, kwargs or {}, leaving)
-        watchdog.say_ended(rd, env.rank, "returned")   # an exit 0 without it is an early leave (the launcher)
-        return out
+        return _live(s, entry, target, args, kwargs or {})
     except BaseException as e:
-        if isinstance(e, ScriptFailed):    # its error file is written, naming rank and host
-            raise
-        line = _one_line(e, rd, env)
-        # A one-file summary the launcher shows when this rank dies (like torchelastic's error file):
-        # the line, then the traceback for a bug report.
-        try:
-            (rd / rundir.LOGS).mkdir(parents=True, exist_ok=True)
-            watchdog.write_error(rd, env.rank, f"{line or f'{type(e).__name__}: {e}'}\n\n{traceback.format_exc()}")
-        except OSError:
-            pass    # the disk that failed may be this one; the console line below still says it
-        if line is not None:
-            log.error("rank %d: %s", env.rank, line)
-        elif isinstance(e, UsageError):    # refused (a busy run directory, a changed model): one line
-            log.error("refused: %s", e)
-        elif not isinstance(e, KeyboardInterrupt):
-            log.error("rank %d failed:\n%s", env.rank, traceback.format_exc())
+        _report(e, s)
         raise
     finally:
         s.close()   # a no-op where the Run or the script's end closed it already
+
+
+def _entry(cfg: Config, target: Callable[..., Any] | None) -> Entry:
+    if target is None and cfg.train.script:
+        return Entry.SUPERVISOR
+    return Entry.CODE if target is not None or cfg.train.fn else Entry.TRAINER
+
+
+def _live(s: session.Session, entry: Entry, target, args: tuple, kwargs: dict) -> Any:
+    """Claim -> prepare -> run, on the session ``s`` (:mod:`hpc_train.node.session`)."""
+    cfg, env, rd = s.cfg, s.env, s.run_dir
+    session.claim(s)
+    if s.finished is not None:
+        # A finished run never trains again, whether requeued or resubmitted.
+        log.info("%s holds a finished run (result.json); not training again", rd)
+        return s.finished
+    # Before anything of the run imports torch (a script child reads it at its own import).
+    n = threads.apply(os.environ, cfg.dist.threads_per_rank)
+    if n is not None and env.rank == 0:
+        log.info("%s", threads.line(n))
+    if s.policy.prelaunch and env.rank == 0:
+        from hpc_train.trainer.signature import expected
+        session.prelaunch(s, os.environ.get(rundir.RESUME_ENV, "latest"),
+                          expected(cfg) if entry is Entry.TRAINER else None)
+    if entry is Entry.SUPERVISOR:
+        from hpc_train.launch.supervise import supervise
+        out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, env, rd, s.stop)
+        s.close(finished=not out.get("stopped"), record_goodput=True)
+        return out
+    goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code
+    out = _run(s, target, args, kwargs)
+    watchdog.say_ended(rd, env.rank, "returned")   # an exit 0 without it is an early leave (the launcher)
+    return out
+
+
+def _report(e: BaseException, s: session.Session) -> None:
+    """A failure of this rank: its one line on the console, and the rank's error file (the line,
+    then the traceback for a bug report) that the launcher shows when this rank dies, like
+    torchelastic's error file. A supervised script's failure wrote its own."""
+    rd, env = s.run_dir, s.env
+    if isinstance(e, ScriptFailed):    # its error file is written, naming rank and host
+        return
+    line = _one_line(e, rd, env)
+    try:
+        (rd / rundir.LOGS).mkdir(parents=True, exist_ok=True)
+        watchdog.write_error(rd, env.rank, f"{line or f'{type(e).__name__}: {e}'}\n\n{traceback.format_exc()}")
+    except OSError:
+        pass    # the disk that failed may be this one; the console line below still says it
+    if line is not None:
+        log.error("rank %d: %s", env.rank, line)
+    elif isinstance(e, UsageError):    # refused (a busy run directory, a changed model): one line
+        log.error("refused: %s", e)
+    elif not isinstance(e, KeyboardInterrupt):
+        log.error("rank %d failed:\n%s", env.rank, traceback.format_exc())
 
 
 def _one_line(e: BaseException, rd: Path, env: environment.NodeEnv) -> str | None:
@@ -129,7 +146,7 @@ def _call_fn(fn: Callable[..., Any], cfg: Config, env: environment.NodeEnv, devi
     return fn() if not required else fn(cfg, env, device)
 
 
-def _run(s: session.Session, target, args: tuple, kwargs: dict, leaving: bool) -> Any:
+def _run(s: session.Session, target, args: tuple, kwargs: dict) -> Any:
     from hpc_train import lifecycle
     from hpc_train.node import group   # imports torch: only on the training path
     from hpc_train.node.stops import record_stop
@@ -139,8 +156,7 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict, leaving: bool) -
     environment.log_placement(env)
     device = group.init(env, cfg.dist)
     goodput.mark("group")
-    run = lifecycle.start(s, device, owns_group=True)
-    run._leave_group = leaving
+    run = lifecycle.start(s, device)
     clean = interrupted = False
     try:
         out, interrupted = _run_code(s, run, device, target, args, kwargs)
@@ -182,7 +198,6 @@ def _run_code(s: session.Session, run: Any, device: Any, target, args: tuple, kw
             return _call_fn(fn, cfg, env, device), False
         from hpc_train.trainer.loop import Trainer
         stop.listening = True   # the built-in loop acts on stops at its next step_end
-        stop.restore_at_finish = False   # no code of the user's after its finish(): see ignore_further in _run
         trainer = Trainer(cfg, run)
         return trainer.fit(), False
     except SystemExit as e:
@@ -224,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     # run's yet: rank 0 checks it against the checkpoints' and writes it.
     outside = Path(args.config).absolute() != (rd / rundir.CONFIG).absolute()
     try:
-        run_worker(cfg, rd, leaving=True, prelaunch=outside)
+        run_worker(cfg, rd, prepared=not outside)
     except BaseException as e:  # noqa: BLE001 - the error is already in the rank's log and error file
         exit_now(130 if isinstance(e, KeyboardInterrupt) else 2 if isinstance(e, UsageError) else 1)
     exit_done(0)   # a stop is a clean exit too: the launcher or the batch shell decides what follows
@@ -232,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def release_group() -> None:
-    """Before a normal exit of a process whose worker ran with ``leaving=True``: release the
-    process group it left for ``os._exit`` (a no-op where torch was never imported)."""
+    """Before a normal exit of a worker's process: release the process group that the worker
+    left for ``os._exit`` (the policy's ``leaving``; a no-op where torch was never imported)."""
     if "hpc_train.node.group" in sys.modules:
         sys.modules["hpc_train.node.group"].release()
 

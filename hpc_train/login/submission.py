@@ -55,13 +55,12 @@ class SlurmEntry:
             signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         if self.fn is None:
             try:
-                result = run_worker(self.cfg, self.run_dir, leaving=True)
+                result = run_worker(self.cfg, self.run_dir)
             except Exception:  # noqa: BLE001 - logged by run_worker; see exit_now for why not raise
                 exit_now(1)
         else:
             # A callable's own exception goes back to the submitting side's Job, as submitit does.
-            result = run_worker(self.cfg, self.run_dir, target=self.fn, args=self.args, kwargs=self.kwargs,
-                                leaving=True)
+            result = run_worker(self.cfg, self.run_dir, target=self.fn, args=self.args, kwargs=self.kwargs)
         if requested(Path(self.run_dir)):
             # Leave without a result (as submitit itself does when it requeues): the job is
             # about to be requeued by the batch shell, and the submitting side's Job must

@@ -186,12 +186,13 @@ class _Read:
         self.error: Exception | None = None
 
 
-def for_run(env, run_dir: Path, owns_group: bool):
+def for_run(env, run_dir: Path, through_store: bool):
     """This rank's heartbeat for a Run (started), or None alone. Through the store when the
-    Run's own process group has one to reach (``MASTER_ADDR:MASTER_PORT``), else the file."""
+    Run's own process group has one to reach (``through_store``: the Run's lifecycle made the
+    group, at ``MASTER_ADDR:MASTER_PORT``), else the file."""
     if env.world_size <= 1:
         return None
-    if owns_group and env.master_addr and env.master_port:
+    if through_store and env.master_addr and env.master_port:
         # torchrun's agent store outlives its attempts: a prefix per attempt, as the group's.
         prefix = f"hpc_train/beats/attempt-{env.restart_count}/" if env.agent_store else "hpc_train/beats/"
         try:

@@ -219,13 +219,13 @@ class Watches:
                 part.stop()
 
 
-def watch(d: DistSection, env: NodeEnv, run_dir: Path, session, owns_group: bool) -> tuple[Progress, Watches]:
-    """A Run's progress, and, when the Run holds a run directory (``session``), its heartbeat
-    and watches, started."""
+def watch(d: DistSection, session) -> tuple[Progress, Watches]:
+    """A Run's progress, and its heartbeat and watches over the ``session``'s run directory, started."""
     long_s = watchdog.limit_for(d.timeout_s)
     progress = Progress(hang_timeout(d.hang_timeout_s, d.timeout_s, d.hang_floor_s), d.hang_floor_s or min(FLOOR_S, long_s), long_s)
+    env, run_dir = session.env, session.run_dir
     # Alone, a rank has no peer to name and no collective to wait in.
-    beating = beats.for_run(env, run_dir, owns_group) if session is not None else None
+    beating = beats.for_run(env, run_dir, through_store=session.policy.owns_group)
     if beating is None:
         return progress, Watches(None, None)
     watchdog.use_beats(beating)

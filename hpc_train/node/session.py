@@ -36,6 +36,7 @@ from hpc_train.errors import UsageError
 from hpc_train.logs import setup_logging
 from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
+from hpc_train.node.policy import ExitPolicy
 from hpc_train.node.stops import StopRequest, stop_signals
 from hpc_train.records import ranks
 from hpc_train.records import result as result_record
@@ -52,12 +53,9 @@ class Session:
     run_dir: Path
     env: NodeEnv
     stop: StopRequest
+    policy: ExitPolicy   # what this entry point does differently (hpc_train.node.policy)
     finished: dict[str, Any] | None = None   # result.json of a run that finished before this start
     started: float = field(default_factory=time.time)
-    own_process: bool = False
-    # Started by hpc_train's run/submit/sbatch, where the user speaks in flags (--resume none),
-    # not in variables (HPC_TRAIN_RESUME=none): what a message tells them to do says it their way.
-    launched: bool = False
     _resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _closed: bool = False
 
@@ -84,7 +82,7 @@ class Session:
             finally:
                 # Inside a user's program the handlers found at init() are back. A worker keeps
                 # ours to its os._exit: a late signal must not end its teardown (StopRequest.ignore_further).
-                if not self.own_process:
+                if self.policy.handlers_back:
                     self.stop.restore()
 
 
@@ -101,16 +99,13 @@ def finished_line(run_dir: Path, result: dict[str, Any], how_to_restart: str) ->
             f"{how_to_restart} starts over")
 
 
-def begin(cfg: Config, run_dir: Path, *, own_process: bool, escalate: bool,
-          stop: StopRequest | None = None) -> Session:
-    """Steps 1-2 of the module docstring: stop signals, environment, logging. ``own_process``:
-    a worker of hpc_train's launchers (it may set process-wide hooks and watch the Slurm step);
-    False inside a user's program."""
+def begin(cfg: Config, run_dir: Path, policy: ExitPolicy) -> Session:
+    """Steps 1-2 of the module docstring: stop signals, environment, logging, as the entry
+    point's ``policy`` says (:mod:`hpc_train.node.policy`)."""
     rd = Path(run_dir)
     goodput.mark("worker")
-    if stop is None:
-        stop = StopRequest()
-        stop.install(stop_signals(cfg.job.signal), escalate=escalate)
+    stop = StopRequest()
+    stop.install(stop_signals(cfg.job.signal), policy.escalate, policy.restore_at_finish)
     env = environment.current()
     setup_logging(env.rank, rd, cfg.log.level)
     # torchrun's variables on every launch path (a torchrun-style script or fn reads them).
@@ -121,23 +116,21 @@ def begin(cfg: Config, run_dir: Path, *, own_process: bool, escalate: bool,
         # torchrun killed with -9 forwards nothing, and its workers would train on, orphaned,
         # holding the run directory: they end with it, as the workers of hpc_train's launchers do.
         watchdog.die_with_launcher()
-    if own_process:
+    if policy.own_process:
         _quiet_thread_os_errors()
         watchdog.enable_stack_dumps(rundir.rank_log(rd, env.rank))
-    session = Session(cfg, rd, env, stop)
-    session.own_process = session.launched = own_process
-    return session
+    return Session(cfg, rd, env, stop, policy)
 
 
-def claim(session: Session, *, lock: bool, beat_files: bool = False) -> None:
-    """Steps 3-5: the lock (``lock``: this process takes it; the local launcher holds its own),
-    a finished run (``session.finished``; nothing else is done then), this rank's record, and,
-    with ``beat_files`` (a ``--script``'s supervisor), its heartbeat on that record (a Run beats
+def claim(session: Session) -> None:
+    """Steps 3-5: the lock (rank 0 takes it, unless a launcher of ours holds it), a finished run
+    (``session.finished``; nothing else is done then), this rank's record, and, where the policy
+    says ``beat_files`` (a ``--script``'s supervisor), its heartbeat on that record (a Run beats
     through the store once its group is up: :mod:`hpc_train.node.beats`). Raises
     :class:`UsageError` for a busy run directory, naming the holder."""
     s, env, res = session, session.env, session._resources
     try:
-        if lock:
+        if env.rank == 0 and not launcher_holds_lock():
             what = (f"Slurm job {env.job_id}" if env.job_id else
                     "a torchrun job" if env.source == "torchrun" else f"a training run ({env.source})")
             res.callback(rundir.RunDirLock(s.run_dir, what).acquire().release)
@@ -146,7 +139,7 @@ def claim(session: Session, *, lock: bool, beat_files: bool = False) -> None:
         if s.finished is not None:
             return
         ranks.begin(s.run_dir, env.rank, env.world_size)
-        if beat_files:
+        if s.policy.beat_files:
             from hpc_train.node import beats
             reader = beats.FileBeats(s.run_dir, env.rank).start()
             res.callback(reader.stop)
@@ -160,7 +153,7 @@ def watch_slurm(s: Session, reader) -> None:
     """Rank 0 of a job step of hpc_train's own worker, more than one rank: the watchdog that ends
     the step when a peer stops beating on ``reader`` (:func:`watchdog.watch_slurm_job`)."""
     env, step = s.env, os.environ.get("SLURM_STEP_ID")
-    if s.own_process and env.rank == 0 and env.job_id and step is not None and env.world_size > 1:
+    if s.policy.own_process and env.rank == 0 and env.job_id and step is not None and env.world_size > 1:
         watchdog.watch_slurm_job(s.run_dir, env.world_size, s.cfg.dist.timeout_s, f"{env.job_id}.{step}", reader)
 
 
@@ -170,7 +163,7 @@ def prelaunch(s: Session, resume: str, signature: dict[str, Any] | None = None) 
     (:mod:`hpc_train.ckpt.prelaunch`). Raises :class:`UsageError` for a refused config."""
     from hpc_train.ckpt.prelaunch import prelaunch as sequence
     sequence(s.run_dir, s.cfg, resume, warn=log.warning, signature=signature, verify=False,
-             requeued=s.env.restart_count > 0, launched=s.launched)
+             requeued=s.env.restart_count > 0, advice=s.policy.advice)
 
 
 def launcher_holds_lock() -> bool:

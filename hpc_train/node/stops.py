@@ -50,8 +50,8 @@ class StopRequest:
         # Set once the run finished (result.json written): a signal from then on is no stop.
         self._done = False
         # False where hpc_train's own code runs from finish() to the process's exit (the built-in
-        # trainer under the worker): finish() then keeps the handlers until that exit.
-        self.restore_at_finish = True
+        # trainer under the worker): finish() then keeps the handlers until that exit (the policy's).
+        self._back_at_finish = True
         # Set once the loop has called run.step_end (or restored): from then on a stop waits for the
         # loop's next step boundary. Code that never looks at the flag is ended instead (StopRun,
         # after ESCALATE_AFTER_S), and so is a loop that stops reaching step_end (an empty loader, a
@@ -61,7 +61,7 @@ class StopRequest:
         self._longest = 0.0                   # the longest gap between two of them
         self._quiet_at_stop = 0.0             # how long the loop had been quiet when the stop came
         self._stopped_at: float | None = None
-        self.escalate = False
+        self._armed = False   # a stop escalates (the policy's, until the work is done)
         self._raise_now = False
         self._timer: threading.Timer | None = None
 
@@ -115,7 +115,7 @@ class StopRequest:
             self.signum, self.received_at = signum, time.time()
             self._stopped_at = time.monotonic()
             self._quiet_at_stop = self._stopped_at - self._heard if self._heard is not None else 0.0
-        if self.escalate and self._timer is None:
+        if self._armed and self._timer is None:
             # Give the loop a moment to reach its next run.step_end (a stop during start-up, or
             # one that reached a single rank, is then still agreed and saved); code that never
             # calls it is ended after that, from the main thread, as a plain script would be.
@@ -133,7 +133,7 @@ class StopRequest:
         return max(ESCALATE_AFTER_S, 4 * self._longest, self._quiet_at_stop)
 
     def _escalate(self) -> None:
-        if self.signum is None or self._stopped_at is None or not self.escalate:
+        if self.signum is None or self._stopped_at is None or not self._armed:
             return
         if self._listening:
             if self._heard is not None and self._heard >= self._stopped_at:
@@ -142,7 +142,7 @@ class StopRequest:
             if left > 0:
                 self._arm(left)
                 return
-        if not self.escalate:
+        if not self._armed:
             return      # finish() or restore() meanwhile: the handler may be SIG_DFL again, which would kill
         self._raise_now = True
         # A real signal to the main thread, which runs _handler there (it raises). Not
@@ -150,10 +150,12 @@ class StopRequest:
         # (time.sleep, a socket read) would not see it until the call returned.
         signal.pthread_kill(threading.main_thread().ident, self.signum)
 
-    def install(self, signals: list[str], escalate: bool = False) -> None:
+    def install(self, signals: list[str], armed: bool = False, back_at_finish: bool = True) -> None:
         """Handle ``signals`` (names without SIG; those past SIGTERM and SIGINT are the job's),
-        keeping the handlers found, to call (:func:`_chains_to`) and to give back."""
-        self.escalate = escalate
+        keeping the handlers found, to call (:func:`_chains_to`) and to give back. ``armed``: a
+        stop the code does not act on escalates; ``back_at_finish``: :meth:`finished` gives the
+        handlers back (both the entry point's: :mod:`hpc_train.node.policy`)."""
+        self._armed, self._back_at_finish = armed, back_at_finish
         if threading.current_thread() is not threading.main_thread():
             log.warning("not on the main thread; stop signals are not handled")
             return
@@ -181,10 +183,10 @@ class StopRequest:
 
     def finished(self) -> None:
         """The run finished (``result.json`` is written): a signal from now on is no stop, and
-        nothing escalates. The handlers found are given back, unless :attr:`restore_at_finish` is off."""
+        nothing escalates. The handlers found are given back, unless installed not to."""
         self._done = True
         self._quiet()
-        if self.restore_at_finish:
+        if self._back_at_finish:
             self.restore()
 
     def restore(self) -> None:
@@ -229,7 +231,7 @@ class StopRequest:
                 signal.signal(sig, self._handler if sig == signal.SIGINT else signal.SIG_IGN)
 
     def _quiet(self) -> None:
-        self.escalate = False     # the work is done: a pending escalation must not end the teardown
+        self._armed = False     # the work is done: a pending escalation must not end the teardown
         if self._timer is not None:
             self._timer.cancel()
 

@@ -253,3 +253,62 @@ def test_slurm_is_called_from_one_module(path):
     """Every squeue, sinfo, sacct, scontrol and scancel goes through hpc_train/slurm.py: one
     timeout, one failure convention (a failure or an empty answer where one is needed is unknown)."""
     assert not _slurm_commands(path), f"calls Slurm itself (use hpc_train.slurm): {_slurm_commands(path)}"
+
+
+# The yes/no flags that used to steer a rank's life from five modules (issue 48); each is now a
+# field of the entry point's ExitPolicy (hpc_train/node/policy.py) and read off it.
+LIFE_FLAGS = {"own_process", "escalate", "launched", "leaving", "prelaunch", "owns_group", "_leave_group",
+              "restore_at_finish", "hold", "handlers_back", "resume_hint", "beat_files"}
+LIFE_MODULES = sorted([*(PKG / "launch").glob("*.py"), *(PKG / "node").glob("*.py"), PKG / "lifecycle.py",
+                       PKG / "run.py"])
+
+
+def _life_flags(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of each lifecycle flag this module steers by itself: a parameter, a keyword
+    argument, an assigned name or an attribute of anything but a policy (``policy.leaving``,
+    ``s.policy.leaving``) or an imported module (``session.prelaunch`` is a function)."""
+    tree = ast.parse(path.read_text())
+    modules = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+               for a in n.names}
+
+    def on_policy(value: ast.expr) -> bool:
+        return (isinstance(value, ast.Name) and (value.id in modules or "policy" in value.id or value.id == "chosen")
+                or isinstance(value, ast.Attribute) and value.attr == "policy"
+                or isinstance(value, ast.Call) and getattr(value.func, "id", None) == "policy")
+    found = [(n.lineno, n.arg) for n in ast.walk(tree) if isinstance(n, ast.arg) and n.arg in LIFE_FLAGS]
+    found += [(n.value.lineno, n.arg) for n in ast.walk(tree) if isinstance(n, ast.keyword) and n.arg in LIFE_FLAGS]
+    found += [(n.lineno, n.id) for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in LIFE_FLAGS]
+    found += [(n.lineno, n.attr) for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and n.attr in LIFE_FLAGS and not on_policy(n.value)]
+    return sorted(found)
+
+
+def test_the_flag_check_sees_a_parameter_a_keyword_and_an_attribute(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from hpc_train.node import session\n"
+                 "def f(leaving=False):\n    run._leave_group = leaving\n    g(escalate=True)\n"
+                 "    session.prelaunch(s)\n    if s.policy.leaving or chosen.owns_group:\n        pass\n")
+    assert _life_flags(f) == [(2, "leaving"), (3, "_leave_group"), (3, "leaving"), (4, "escalate")]
+
+
+@pytest.mark.parametrize("path", LIFE_MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_lifecycle_flags_live_only_in_the_policy_table(path):
+    """What differs between the worker, the supervisor and ``init()`` (who runs the pre-launch,
+    whether stops escalate, whether the handlers come back, whether the group is destroyed, who
+    ends the process) is one table keyed by entry point; no module of a rank's life carries a
+    flag of its own for it. (The login side's ``prelaunch(hold=...)``, whether ``run`` keeps the
+    lock it checked, is not a rank's.)"""
+    if path.name == "policy.py":
+        return
+    assert not _life_flags(path), f"steers a rank's life by a flag of its own (use its ExitPolicy): {_life_flags(path)}"
+
+
+@pytest.mark.parametrize("path,name", [(PKG / "launch" / "worker.py", "run_worker"), (PKG / "lifecycle.py", "init")],
+                         ids=["run_worker", "init"])
+def test_a_rank_s_entry_points_read_as_their_phases(path, name):
+    """The worker's and ``init()``'s sequences fit on a screen (at most 25 lines, docstring
+    excluded): their phases are functions of their own, what differs between them is the policy."""
+    fn = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    doc = fn.body[0] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else None
+    lines = (fn.end_lineno - fn.lineno + 1) - ((doc.end_lineno - doc.lineno + 1) if doc else 0)
+    assert lines <= 25, f"{name} is {lines} lines"
