@@ -16,8 +16,10 @@ checkpoints, the rest). Steady state is the time between the first line of ``met
 plus a settling margin and the final save (the first operation under ``checkpoints/`` or on
 ``result.json`` after it), less a margin: start-up and the end's checkpoint are not counted.
 
-Usage: .venv/bin/python benchmarks/rundir_ops.py [--strace FILE --run-dir DIR]  (no arguments:
-run the digits job with 2 processes under strace and report it).
+Usage: .venv/bin/python benchmarks/rundir_ops.py [--strace FILE --run-dir DIR] [--script]  (no
+arguments: run the digits job with 2 processes under strace and report it; ``--script``: a user's
+own loop on ``hpc_train.init()``, ``tests/scripts/own_loop.py``, under ``run --script`` instead,
+about 25 s of steps, no periodic checkpoint).
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ class Ops:
         return n / self.window_s if self.window_s > 0 else float("nan")
 
 
+def _path_argument(line: str) -> str:
+    """The path a call names: its first quoted argument. Not a result that happens to name the run
+    directory (``readlink("/proc/PID/fd/3", "RUN_DIR/logs/...")`` asks procfs, not the file
+    system; a resumed call prints only its results)."""
+    if "resumed>" in line.split('"', 1)[0]:
+        return ""
+    parts = line.split('"', 2)
+    return parts[1] if len(parts) > 2 else ""
+
+
 def parse(strace_file: Path, run_dir: Path) -> Ops:
     """The steady-state operations on ``run_dir`` in ``strace_file`` (see the module's doc)."""
     rd = str(Path(run_dir).resolve())
@@ -83,7 +95,7 @@ def parse(strace_file: Path, run_dir: Path) -> Ops:
             continue
         t = int(m[2]) * 3600 + int(m[3]) * 60 + float(m[4])
         call = m[5]
-        if quoted in line:
+        if quoted in line and _path_argument(line).startswith(rd):
             p = line[line.index(quoted) + 1:].split('"', 1)[0]
             events.append((t, "path", kind(p, rd), call))
         elif fd_ref in line.split(") = ", 1)[0]:
@@ -104,9 +116,14 @@ def parse(strace_file: Path, run_dir: Path) -> Ops:
     return ops
 
 
-def trace_run(out_dir: Path, nproc: int = 2, extra: list[str] | None = None) -> tuple[Path, Path]:
-    """``python -m hpc_train run jobs/digits.yaml --nproc N`` under strace, into ``out_dir``:
-    (the trace, the run directory)."""
+SCRIPT = ["--script", str(ROOT / "tests" / "scripts" / "own_loop.py")]
+SCRIPT_TAIL = ["--set", "checkpoint.every_steps=0", "--", "500", "0.05"]   # steps, sleep after each
+
+
+def trace_run(out_dir: Path, nproc: int = 2, extra: list[str] | None = None,
+              what: list[str] | None = None) -> tuple[Path, Path]:
+    """``python -m hpc_train run jobs/digits.yaml --nproc N`` (or ``run WHAT``) under strace, into
+    ``out_dir``: (the trace, the run directory)."""
     strace = shutil.which("strace")
     if strace is None:
         raise RuntimeError("strace is not installed")
@@ -114,7 +131,7 @@ def trace_run(out_dir: Path, nproc: int = 2, extra: list[str] | None = None) -> 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["PYTHONPATH"] = str(ROOT)
     argv = [strace, "-f", "-tt", "-y", "-e", "trace=file,desc", "-o", str(trace), sys.executable, "-m",
-            "hpc_train", "run", str(ROOT / "jobs" / "digits.yaml"), "--nproc", str(nproc), "--run-dir",
+            "hpc_train", "run", *(what or [str(ROOT / "jobs" / "digits.yaml")]), "--nproc", str(nproc), "--run-dir",
             str(run_dir), "--set", "log.progress=lines", *(extra or [])]
     r = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
@@ -137,13 +154,14 @@ def main() -> int:
     p.add_argument("--strace", type=Path, help="an existing trace (with --run-dir)")
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--keep", action="store_true", help="keep the trace and the run directory")
+    p.add_argument("--script", action="store_true", help="trace a user's own loop under run --script")
     a = p.parse_args()
     if a.strace:
         report(parse(a.strace, a.run_dir))
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="rundir-ops-"))
     try:
-        trace, run_dir = trace_run(tmp)
+        trace, run_dir = trace_run(tmp, extra=SCRIPT_TAIL if a.script else None, what=SCRIPT if a.script else None)
         report(parse(trace, run_dir))
     finally:
         if a.keep:

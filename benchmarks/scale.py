@@ -161,8 +161,8 @@ def restore_plan(run_dir: Path, verify: bool, step: int) -> None:
 
 
 def watchdog_scan(run_dir: Path, world: int) -> None:
-    from hpc_train.node import watchdog
-    found = watchdog.stale(run_dir, list(range(1, world)), watchdog.limit_for(600.0), time.time() - 60)
+    from hpc_train.node import beats, watchdog
+    found = beats.stale(beats.FileBeats(run_dir, -1), list(range(1, world)), watchdog.limit_for(600.0), time.time() - 60)
     if found is not None:
         raise RuntimeError(f"the scan named rank {found[0]}")
 

@@ -8,6 +8,7 @@ restarted in place that restores, the launcher and the batch script that remove 
 
     BASE/hpc_train-ID/NODE/rank-R/step-N/     a rank's own items (DCP files, app.pt, rank-R.pt, commit.json)
     BASE/hpc_train-ID/NODE/copies/rank-R/step-N/  a copy of rank R's item, R on the previous node (hpc_train.ckpt.peer)
+    BASE/hpc_train-ID/NODE/.beats/rank-R          a ``--script`` supervisor's heartbeat (hpc_train.node.beats)
 
 * BASE: ``checkpoint.local_dir``, else ``$SLURM_TMPDIR``, else ``$TMPDIR``, else ``/dev/shm``.
 * ID: the Slurm job id (the same across in-place restarts, which are new job steps; an array
@@ -34,6 +35,7 @@ PREFIX = "hpc_train-"
 CLEANUP_STEP = "hpc_train-cleanup"   # the cleanup's job step name (sacct tells it from training's steps)
 DEFAULT_BASE = "/dev/shm"
 COPIES = "copies"   # a buddy's copies beside the node's own (hpc_train.ckpt.peer)
+BEATS = ".beats"    # a --script's supervisors' heartbeats, where every rank runs on this node (hpc_train.node.beats)
 
 
 class LocalTierConfig(Protocol):
@@ -127,6 +129,21 @@ def shell_cleanup(local_dir: str) -> str:
     return (f'timeout 60 srun --job-name={CLEANUP_STEP} --nodes="${{hpc_train_nodes:-$SLURM_JOB_NUM_NODES}}" '
             f'--ntasks-per-node=1 '
             f"--kill-on-bad-exit=0 bash -c 'rm -rf -- \"{base}/{PREFIX}$SLURM_JOB_ID\"' {arg} >/dev/null 2>&1 || true")
+
+
+def private_dirs(*dirs: Path) -> str | None:
+    """Make each of ``dirs`` (parents first) this user's alone (mode 0700), or find it so: why one
+    is not (a symlink another user planted in /dev/shm, another owner's), else None. Raises
+    OSError when one cannot be made."""
+    for d in dirs:
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        bad = real_dir(d)
+        if bad:
+            return bad
+    return None
 
 
 def real_dir(path: Path) -> str | None:

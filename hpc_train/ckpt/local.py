@@ -124,14 +124,9 @@ class LocalTier:
 
     def _setup(self) -> str | None:
         try:
-            for d in (self.node.parent, self.node, self.dir):
-                try:
-                    d.mkdir(mode=0o700)
-                except FileExistsError:
-                    pass
-                bad = config_local.real_dir(d)   # never through a symlink another user planted in /dev/shm
-                if bad:
-                    return bad
+            bad = config_local.private_dirs(self.node.parent, self.node, self.dir)   # never through a symlink
+            if bad:
+                return bad
             probe = self.dir / ".probe"
             probe.write_bytes(b"0")
             probe.unlink()

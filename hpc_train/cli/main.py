@@ -231,7 +231,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
               f"{plan.describe(_own_code(cfg))}", file=sys.stderr)
         return launch.launch(args.nproc, run_dir / rundir.CONFIG, run_dir, resume=plan.env_value(), port=port,
-                             hang_s=cfg.dist.timeout_s, lock_fd=lock.fd, script=bool(cfg.train.script))
+                             hang_s=cfg.dist.timeout_s, lock_fd=lock.fd, script=bool(cfg.train.script),
+                             local_dir=cfg.checkpoint.local_dir)
     finally:
         lock.release()
 

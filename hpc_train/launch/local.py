@@ -205,13 +205,15 @@ def _name_frozen(run_dir: Path, procs: list[subprocess.Popen], rank: int, age: f
 
 
 def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest", port: int | None = None,
-           hang_s: float = 600.0, lock_fd: int | None = None, script: bool = False) -> int:
+           hang_s: float = 600.0, lock_fd: int | None = None, script: bool = False, local_dir: str = "") -> int:
     """Start, supervise and reap the workers. Returns the exit code for the CLI.
 
     ``hang_s`` (``dist.timeout_s``): a rank whose heartbeat is older than this has stopped
     responding (see :mod:`hpc_train.node.watchdog`); it is named, every rank writes its stack, and
     the run ends. ``lock_fd``: the run directory's lock, held by every worker too. ``script``: the
-    workers run a ``--script`` (a stop reaches it as SIGTERM; the message says so)."""
+    workers run a ``--script`` (a stop reaches it as SIGTERM; the message says so), whose
+    supervisors beat in node memory under ``local_dir`` (``checkpoint.local_dir``,
+    :mod:`hpc_train.node.beats`)."""
     from hpc_train.records import ranks, stop
     # An earlier launch's error files, rank records (which say how each rank ended) and stop
     # record are not this one's. (Told apart by time alone, a stop record written just before
@@ -244,7 +246,9 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
     # train on as orphans; it stops them like the first Ctrl-C.
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
-        failed = _watch(procs, run_dir, hang_s, started, script)
+        from hpc_train.node import beats
+        failed = _watch(procs, run_dir, hang_s, started, beats.script_reader(run_dir, local_dir, os.getpid())
+                        if script else None)
     finally:
         from hpc_train.records import result
         finished = result.written_since(run_dir, started)
@@ -276,10 +280,10 @@ def _remove_local_tier(config_path: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _frozen(procs: list[subprocess.Popen], run_dir: Path, alive: list[int], limit_s: float, started: float,
-            script: bool) -> tuple[int, float | None] | None:
+def _frozen(procs: list[subprocess.Popen], alive: list[int], limit_s: float, started: float,
+            reader) -> tuple[int, float | None] | None:
     """A worker that stopped responding: one whose process is stopped (this host's kernel says
-    so), or, for a ``--script``'s supervisors (which beat on their records,
+    so), or, for a ``--script``'s supervisors (whose beats ``reader`` reads,
     :mod:`hpc_train.node.beats`), one whose heartbeat is older than ``limit_s``. A Run's ranks
     beat through the rendezvous store, which this process (torch-free) does not read: their own
     hang watch names a silent peer, and its rank's failure brings this check round."""
@@ -287,11 +291,12 @@ def _frozen(procs: list[subprocess.Popen], run_dir: Path, alive: list[int], limi
     for r in alive:
         if watchdog.stopped(procs[r].pid):
             return r, None
-    return watchdog.stale(run_dir, alive, limit_s, started) if script else None
+    from hpc_train.node import beats
+    return beats.stale(reader, alive, limit_s, started) if reader is not None else None
 
 
 def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started: float,
-           script: bool = False) -> tuple[int, int | None] | None:
+           reader=None) -> tuple[int, int | None] | None:
     """Until every worker exited: the first failure, (rank, exit code; None for a rank that
     stopped responding), after which the others are ended (SIGTERM, SIGKILL after a grace)."""
     from hpc_train.node import watchdog
@@ -306,7 +311,7 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
             if dead:
                 # A peer that froze makes the others fail in their collectives: name it, not them.
                 alive = [r for r, p in enumerate(procs) if p.poll() is None]
-                frozen = _frozen(procs, run_dir, alive, 3 * watchdog.BEAT_S, started, script)
+                frozen = _frozen(procs, alive, 3 * watchdog.BEAT_S, started, reader)
                 rank = _culprit(run_dir, dead) if frozen is None else frozen[0]
                 failed = (rank, procs[rank].returncode if frozen is None else None)
                 if frozen is not None:
@@ -316,7 +321,7 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
         if failed is None and time.monotonic() >= next_check:
             next_check = time.monotonic() + 1.0
             alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
-            hung = _frozen(procs, run_dir, alive, watchdog.limit_for(hang_s), started, script) if script else None
+            hung = _frozen(procs, alive, watchdog.limit_for(hang_s), started, reader) if reader is not None else None
             if hung is not None:
                 _name_frozen(run_dir, procs, *hung)
                 failed = (hung[0], None)

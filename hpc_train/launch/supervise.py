@@ -47,6 +47,7 @@ from hpc_train.config import JobSection, TrainSection
 from hpc_train.launch import framework_check, joined
 from hpc_train.node import environment, watchdog
 from hpc_train.node.environment import NodeEnv
+from hpc_train.node import beats as beats_mod
 from hpc_train.node.stops import StopRequest
 from hpc_train.records import result
 
@@ -98,11 +99,12 @@ def _drop(console: IO[bytes]) -> None:
 
 
 def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeEnv, rd: Path,
-              stop: StopRequest) -> dict[str, Any]:
+              stop: StopRequest, beats: Any) -> dict[str, Any]:
     """Run ``train.script`` with ``train.args`` on this task, its output to the console and the
     rank's log; a stop reaches it as SIGTERM. ``job``: for the stop record and its requeue;
     ``timeout_s``: how long a silent rank may take before it counts as gone. The run directory's
-    lock, a finished run and the heartbeat are the lifecycle's (:mod:`hpc_train.node.session`)."""
+    lock, a finished run and the heartbeat are the lifecycle's (:mod:`hpc_train.node.session`);
+    ``beats``: that heartbeat, which rank 0 reads for its peers at the end."""
     script = Path(train.script)
     environment.log_placement(env)
     started = time.time()
@@ -134,7 +136,8 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     for t in threads:
         t.join(timeout=10)
     logfile.close()
-    return _conclude(proc.returncode, forwarded, wrong, list(tail), script, job, timeout_s, env, rd, stop, started)
+    return _conclude(proc.returncode, forwarded, wrong, list(tail), script, job, timeout_s, env, rd, stop, started,
+                     beats)
 
 
 def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequest,
@@ -206,7 +209,7 @@ def _sleep_unless_exit(exit_fd: int | None) -> None:
 
 
 def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], script: Path, job: JobSection,
-              timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest, started: float) -> dict[str, Any]:
+              timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest, started: float, beats: Any) -> dict[str, Any]:
     """What the script's exit means for this task: a failure (raised, with its error file), a
     stop (recorded), or its part of a finished run (rank 0 writes result.json once every rank's
     script finished)."""
@@ -233,7 +236,7 @@ def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], scr
     # The run is finished when every rank's script is: rank 0 writes result.json only then. Were
     # it written when rank 0's own script ended, a rank failing later would leave a failed run
     # marked finished, and every rerun and requeue would do nothing.
-    if env.rank == 0 and _all_finished(timeout_s, env, rd, stop) and not result.finished(rd):
+    if env.rank == 0 and _all_finished(timeout_s, env, rd, stop, beats) and not result.finished(rd):
         result.write(rd, {"script": str(script), "exit_code": 0, "world_size": env.world_size,
                           "wall_seconds": time.time() - started})
     return {"stopped": False, "exit_code": 0}
@@ -298,7 +301,7 @@ def _stop_recorded_since(rd: Path, since: float, wait_s: float = 0.0) -> bool:
         time.sleep(0.1)
 
 
-def _all_finished(timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest) -> bool:
+def _all_finished(timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest, reader: Any) -> bool:
     """Rank 0, its own script done: wait until every rank said how its script ended; True when
     all finished. A rank that fails ends this wait from outside (the local launcher's SIGTERM,
     ``srun --kill-on-bad-exit``); one that goes silent, its heartbeat stale, fails it here."""
@@ -315,7 +318,7 @@ def _all_finished(timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest) -
         if not logged:
             log.info("waiting for rank(s) %s to finish before marking the run finished", waiting)
             logged = True
-        gone = watchdog.stale(rd, waiting, limit, since)
+        gone = beats_mod.stale(reader, waiting, limit, since)
         if gone is not None:
             host, pid = watchdog.holder(rd, gone[0])
             msg = (f"rank {gone[0]} (pid {pid} on {host}) left without finishing: its script never said it ended, "

@@ -82,7 +82,7 @@ def _live(s: session.Session, entry: Entry, target, args: tuple, kwargs: dict) -
                           expected(cfg) if entry is Entry.TRAINER else None)
     if entry is Entry.SUPERVISOR:
         from hpc_train.launch.supervise import supervise
-        out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, env, rd, s.stop)
+        out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, env, rd, s.stop, s.beats)
         s.close(finished=not out.get("stopped"), record_goodput=True)
         return out
     goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code

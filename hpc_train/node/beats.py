@@ -15,9 +15,13 @@ Two channels, one per kind of process:
   trusted across nodes anyway. A beat holds the writer's wall clock; the reader compares it
   with its own, which assumes the nodes' clocks agree within a few seconds (NTP; Slurm's
   munge credentials need that much too).
-* :class:`FileBeats`, a ``--script``'s supervising worker and a script that set up its own process
-  group (no store of hpc_train's to reach): the rank's record (``logs/.heartbeat/rank-R``,
-  :mod:`hpc_train.records.ranks`), touched, as before this change.
+* :class:`NodeBeats`, a ``--script``'s supervising workers (torch-free: no store to reach) when
+  every rank runs on this node (``run``, a one-node job): a file per rank in the job's private
+  directory in node memory (:mod:`hpc_train.config_local`), touched; the shared file system sees
+  none of it, and the launcher and the batch script remove that directory at the end.
+* :class:`FileBeats`, the same supervisors across nodes (a reader on one node cannot see another
+  node's memory) and a script that set up its own process group: the rank's record
+  (``logs/.heartbeat/rank-R``, :mod:`hpc_train.records.ranks`), touched.
 
 Hazard: a ``TCPStore`` whose server is frozen (rank 0 stopped with SIGSTOP hosts it, unless
 torchrun's agent does) blocks every request, with no timeout, even a new connection's (its
@@ -40,6 +44,7 @@ import threading
 import time
 from pathlib import Path
 
+from hpc_train import config_local
 from hpc_train.records import ranks
 
 log = logging.getLogger("hpc_train")
@@ -109,6 +114,66 @@ class FileBeats(_Beater):
     def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
         now = time.time() if now is None else now
         return {r: ranks.age(self.run_dir, r, now) for r in rank_list}
+
+
+class NodeBeats(_Beater):
+    """A file per rank in ``node``'s ``.beats`` directory, touched (see the module docstring). A
+    rank with no file there is read from its record: one whose directory could not be made
+    (another user's symlink in its place, a full memory) beats there instead, said once."""
+
+    def __init__(self, node: Path, run_dir: Path, rank: int) -> None:
+        super().__init__()
+        self.dir, self.run_dir, self.rank = node / config_local.BEATS, Path(run_dir), rank
+        self._path = self.dir / f"rank-{rank}"
+        self._instead: FileBeats | None = None
+
+    def start(self):
+        try:
+            bad = config_local.private_dirs(self.dir.parent.parent, self.dir.parent, self.dir)
+        except OSError as e:
+            bad = f"{self.dir} cannot be made ({e.strerror or type(e).__name__})"
+        if bad:
+            log.warning("heartbeat in node memory: %s; beating on the run directory's files instead", bad)
+            self._instead = FileBeats(self.run_dir, self.rank)
+        return super().start()
+
+    def _beat(self) -> None:
+        if self._instead is not None:
+            self._instead._beat()
+            return
+        with _beat_lock:
+            try:
+                try:
+                    os.utime(self._path, follow_symlinks=False)
+                except FileNotFoundError:
+                    os.close(os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            except OSError:      # a full memory must not kill the task from here
+                pass
+
+    def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
+        now = time.time() if now is None else now
+        out: dict[int, float | None] = {}
+        for r in rank_list:
+            try:
+                out[r] = now - os.stat(self.dir / f"rank-{r}", follow_symlinks=False).st_mtime
+            except OSError:
+                out[r] = ranks.age(self.run_dir, r, now)
+        return out
+
+
+def for_script(env, run_dir: Path, local_dir: str) -> _Beater:
+    """A ``--script`` supervisor's heartbeat (started): in node memory when every rank runs on
+    this node, else on its record. ``local_dir``: ``checkpoint.local_dir``, where node memory is."""
+    if env.local_world_size == env.world_size:
+        return NodeBeats(config_local.this_process(local_dir), run_dir, env.rank).start()
+    return FileBeats(run_dir, env.rank).start()
+
+
+def script_reader(run_dir: Path, local_dir: str, launcher_pid: int) -> _Beater:
+    """What the ``run`` launcher reads its ``--script`` workers' beats with (never started): the
+    node directory its workers name from their parent's pid, this process's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}   # as the workers see it
+    return NodeBeats(config_local.node_dir(local_dir, env, launcher_pid), run_dir, -1)
 
 
 class StoreBeats(_Beater):

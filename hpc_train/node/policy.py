@@ -13,8 +13,8 @@ The entry points:
   built-in trainer. hpc_train's own process, ended by :func:`hpc_train.launch.worker.exit_done`.
 * ``CODE``: the same worker running ``train.fn`` or a submitted callable: the user's code may
   go on after ``finish()``, so the handlers come back there.
-* ``SUPERVISOR``: the same worker for a ``--script``: no torch, no group, no ``Run``; it beats on
-  its rank record for the script, which may know nothing of hpc_train.
+* ``SUPERVISOR``: the same worker for a ``--script``: no torch, no group, no ``Run``; it beats for
+  the script, which may know nothing of hpc_train.
 * ``PROGRAM``: ``hpc_train.init()`` in a user's own ``python train.py``, ``torchrun`` or
   ``srun``: the user's process. Rank 0 runs the pre-launch sequence; the exit after a stop is
   non-zero and says how to resume, in the variables the user speaks.
@@ -66,8 +66,9 @@ class ExitPolicy:
     handlers_back: bool
     # After a stop, rank 0 says how to resume: the user typed this process's command.
     resume_hint: bool
-    # The heartbeat is written on the rank's record: no group of its own to beat through.
-    beat_files: bool
+    # The process beats for its rank itself (in node memory, or on its record across nodes): no
+    # group of its own to beat through (hpc_train.node.beats).
+    beats_itself: bool
 
     def unprepared(self) -> ExitPolicy:
         """The same entry where no launcher of hpc_train's prepared the run directory (a plain
@@ -82,16 +83,16 @@ class ExitPolicy:
 
 _WORKER = ExitPolicy(own_process=True, escalate=True, advice=FLAGS, prelaunch=False,
                      owns_group=True, leaving=True, restore_at_finish=True, handlers_back=False,
-                     resume_hint=False, beat_files=False)
+                     resume_hint=False, beats_itself=False)
 _INIT = ExitPolicy(own_process=False, escalate=True, advice=VARIABLES, prelaunch=True,
                    owns_group=True, leaving=False, restore_at_finish=True, handlers_back=True,
-                   resume_hint=True, beat_files=False)
+                   resume_hint=True, beats_itself=False)
 
 POLICIES: dict[Entry, ExitPolicy] = {
     # No code of the user's runs after the trainer's finish(): ours to the process's os._exit.
     Entry.TRAINER: dataclasses.replace(_WORKER, restore_at_finish=False),
     Entry.CODE: _WORKER,
-    Entry.SUPERVISOR: dataclasses.replace(_WORKER, escalate=False, owns_group=False, beat_files=True),
+    Entry.SUPERVISOR: dataclasses.replace(_WORKER, escalate=False, owns_group=False, beats_itself=True),
     Entry.PROGRAM: _INIT,
     Entry.SCRIPT: dataclasses.replace(_INIT, advice=FLAGS, prelaunch=False, resume_hint=False),
 }

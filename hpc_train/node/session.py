@@ -55,6 +55,7 @@ class Session:
     stop: StopRequest
     policy: ExitPolicy   # what this entry point does differently (hpc_train.node.policy)
     finished: dict[str, Any] | None = None   # result.json of a run that finished before this start
+    beats: Any = None   # the heartbeat claim() started, where the policy says beats_itself (hpc_train.node.beats)
     started: float = field(default_factory=time.time)
     _resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _closed: bool = False
@@ -125,8 +126,9 @@ def begin(cfg: Config, run_dir: Path, policy: ExitPolicy) -> Session:
 def claim(session: Session) -> None:
     """Steps 3-5: the lock (rank 0 takes it, unless a launcher of ours holds it), a finished run
     (``session.finished``; nothing else is done then), this rank's record, and, where the policy
-    says ``beat_files`` (a ``--script``'s supervisor), its heartbeat on that record (a Run beats
-    through the store once its group is up: :mod:`hpc_train.node.beats`). Raises
+    says ``beats_itself`` (a ``--script``'s supervisor), its heartbeat (``session.beats``: in node
+    memory, or on that record across nodes; a Run beats through the store once its group is up:
+    :mod:`hpc_train.node.beats`). Raises
     :class:`UsageError` for a busy run directory, naming the holder."""
     s, env, res = session, session.env, session._resources
     try:
@@ -139,11 +141,11 @@ def claim(session: Session) -> None:
         if s.finished is not None:
             return
         ranks.begin(s.run_dir, env.rank, env.world_size)
-        if s.policy.beat_files:
+        if s.policy.beats_itself:
             from hpc_train.node import beats
-            reader = beats.FileBeats(s.run_dir, env.rank).start()
-            res.callback(reader.stop)
-            watch_slurm(s, reader)
+            s.beats = beats.for_script(env, s.run_dir, s.cfg.checkpoint.local_dir)
+            res.callback(s.beats.stop)
+            watch_slurm(s, s.beats)
     except BaseException:
         res.close()
         raise

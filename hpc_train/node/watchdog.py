@@ -230,12 +230,6 @@ def holder(run_dir: Path, rank: int) -> tuple[str, int | None]:
     return (rec.node, rec.pid) if rec is not None else ("unknown host", None)
 
 
-def stale(run_dir: Path, rank_list: list[int], limit_s: float, since: float) -> tuple[int, float] | None:
-    """:func:`hpc_train.node.beats.stale` over the ranks' records (the file channel: a
-    ``--script``'s supervisors)."""
-    return beats.stale(beats.FileBeats(run_dir, -1), rank_list, limit_s, since)
-
-
 def describe(run_dir: Path, rank: int, age: float | None) -> str:
     """``age``: how old its heartbeat is; None: its process was seen stopped (:func:`stopped`)."""
     host, pid = holder(run_dir, rank)
@@ -243,14 +237,31 @@ def describe(run_dir: Path, rank: int, age: float | None) -> str:
     return f"rank {rank} (pid {pid} on {host}) stopped responding: {how}; its Python stack is in {rundir.rank_log(run_dir, rank)}"
 
 
-def stopped(pid: int) -> bool:
+def stopped(pid: int, settle_s: float = 0.3) -> bool:
     """The process is stopped (state T: SIGSTOP, SIGTSTP; t: a debugger holds it), as this host's
-    kernel says: what the local launcher asks of its own workers, with no heartbeat to read."""
+    kernel says: what the local launcher asks of its own workers, with no heartbeat to read. Seen
+    so twice, ``settle_s`` apart, with no context switch between: a process that a tracer such as
+    ``strace`` stops for a moment at each system call is caught in state t now and then, and is
+    not frozen (a run being traced was once ended as 'stopped responding' within a second)."""
+    first = _stop_state(pid)
+    if first is None:
+        return False
+    time.sleep(settle_s)
+    return _stop_state(pid) == first
+
+
+def _stop_state(pid: int) -> tuple[bytes, bytes] | None:
+    """(state, context switches so far) when the process is in a stopped state, else None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        if state not in (b"T", b"t"):
+            return None
+        with open(f"/proc/{pid}/status", "rb") as f:
+            switches = b" ".join(line.split()[-1] for line in f if b"ctxt_switches:" in line)
+        return state, switches
     except (OSError, IndexError):
-        return False
+        return None
 
 
 def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str,

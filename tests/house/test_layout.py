@@ -258,7 +258,7 @@ def test_slurm_is_called_from_one_module(path):
 # The yes/no flags that used to steer a rank's life from five modules (issue 48); each is now a
 # field of the entry point's ExitPolicy (hpc_train/node/policy.py) and read off it.
 LIFE_FLAGS = {"own_process", "escalate", "launched", "leaving", "prelaunch", "owns_group", "_leave_group",
-              "restore_at_finish", "hold", "handlers_back", "resume_hint", "beat_files"}
+              "restore_at_finish", "hold", "handlers_back", "resume_hint", "beat_files", "beats_itself"}
 LIFE_MODULES = sorted([*(PKG / "launch").glob("*.py"), *(PKG / "node").glob("*.py"), PKG / "lifecycle.py",
                        PKG / "run.py"])
 

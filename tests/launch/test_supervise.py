@@ -223,7 +223,7 @@ def test_a_stop_that_came_before_the_script_started_does_not_start_it(tmp_path, 
     handler records a signal; no fault is faked."""
     from hpc_train import config
     from hpc_train.launch.supervise import supervise
-    from hpc_train.node import environment
+    from hpc_train.node import beats, environment
     from hpc_train.node.stops import StopRequest
     for k in [k for k in os.environ if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]:
         monkeypatch.delenv(k)
@@ -234,7 +234,7 @@ def test_a_stop_that_came_before_the_script_started_does_not_start_it(tmp_path, 
     stop = StopRequest()
     stop.request(signal.SIGUSR2)
     caplog.set_level("INFO", logger="hpc_train")
-    out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, environment.current(), rd, stop)
+    out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, environment.current(), rd, stop, beats.FileBeats(rd, -1))
     assert out == {"stopped": True, "exit_code": None}
     assert not (tmp_path / "started").exists()
     rec = json.loads((rd / "stopped.json").read_text())

@@ -143,3 +143,72 @@ def test_a_training_run_touches_no_rank_record_while_it_trains(tmp_path):
     finally:
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
+
+
+@pytest.mark.procs
+def test_a_script_s_supervisors_beat_in_node_memory_not_on_the_run_directory(tmp_path):
+    """``run --script``: the supervising workers beat in the job's private directory in node
+    memory (here: $TMPDIR), not on their rank records: the records' mtimes do not move over three
+    beats while the beats there are fresh; the launcher, reading them, lets the run go on; nothing
+    of it is left in node memory after the run (issue 48.4)."""
+    from helpers import clean_env, start
+    script = tmp_path / "loop.py"
+    script.write_text("import os, pathlib, sys, time\npathlib.Path(sys.argv[1] + os.environ['RANK']).touch()\n"
+                      "while True:\n    time.sleep(0.2)\n")
+    node_mem, rd, up = tmp_path / "mem", tmp_path / "run", tmp_path / "up"
+    node_mem.mkdir()
+    p = start("run", "--script", script, "--nproc", "2", "--run-dir", rd, "--", up, env=clean_env(TMPDIR=str(node_mem)))
+    try:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{up}{r}").exists() for r in (0, 1)):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate(timeout=30)
+            time.sleep(0.1)
+        recs = sorted((rd / "logs" / ".heartbeat").iterdir())
+        assert [r.name for r in recs] == ["rank-0", "rank-1"]
+        before = [r.stat().st_mtime_ns for r in recs]
+        time.sleep(3 * beats.BEAT_S)
+        assert p.poll() is None, p.communicate(timeout=30)
+        assert [r.stat().st_mtime_ns for r in recs] == before
+        found = sorted(node_mem.glob("hpc_train-p*/*/.beats/rank-*"))
+        assert [f.name for f in found] == ["rank-0", "rank-1"], found
+        assert all(time.time() - f.stat().st_mtime < 2 * beats.BEAT_S for f in found)
+        assert oct(found[0].parent.stat().st_mode & 0o777) == "0o700"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    assert list(node_mem.iterdir()) == []
+
+
+def test_node_beats_are_read_back_and_a_missing_one_from_the_record(tmp_path):
+    """Two ranks beat in node memory; a third that never made its file there is read from its
+    rank record (where it beats when node memory is refused)."""
+    from hpc_train.records import ranks
+    node, rd = tmp_path / "mem" / "hpc_train-p1" / "n1", tmp_path / "run"
+    (tmp_path / "mem").mkdir()
+    ranks.begin(rd, 2, 3)
+    for r in (0, 1):
+        beats.NodeBeats(node, rd, r).start().stop()
+    assert sorted(f.name for f in (node / ".beats").iterdir()) == ["rank-0", "rank-1"]
+    assert not (rd / "logs" / ".heartbeat" / "rank-0").exists()
+    ages = beats.NodeBeats(node, rd, -1).ages([0, 1, 2, 3], now=time.time() + 10)
+    assert all(9 < ages[r] < 12 for r in (0, 1, 2)) and ages[3] is None
+
+
+def test_node_memory_that_is_not_ours_is_refused_and_the_rank_beats_on_its_record(tmp_path, caplog):
+    """Another user's symlink planted where the job's directory goes: nothing is written through
+    it; the rank beats on its record instead, and says so once."""
+    from hpc_train.records import ranks
+    mem, elsewhere, rd = tmp_path / "mem", tmp_path / "elsewhere", tmp_path / "run"
+    mem.mkdir()
+    elsewhere.mkdir()
+    (mem / "hpc_train-p1").symlink_to(elsewhere)
+    ranks.begin(rd, 0, 1)
+    rec = ranks.path(rd, 0)
+    os.utime(rec, (1, 1))
+    with caplog.at_level("WARNING", logger="hpc_train"):
+        b = beats.NodeBeats(mem / "hpc_train-p1" / "n1", rd, 0).start()
+    b.stop()
+    assert list(elsewhere.iterdir()) == []
+    assert rec.stat().st_mtime > 1
+    assert "is a symlink" in caplog.text and "beating on the run directory's files instead" in caplog.text
+    assert 0 <= b.ages([0])[0] < 5

@@ -17,7 +17,7 @@ from hpc_train.node.policy import POLICIES, Entry, ExitPolicy, policy
 
 FIELDS = [f.name for f in dataclasses.fields(ExitPolicy)]
 # entry: own_process, escalate, advice, prelaunch, owns_group, leaving, restore_at_finish,
-#        handlers_back, resume_hint, beat_files
+#        handlers_back, resume_hint, beats_itself
 TABLE = {
     Entry.TRAINER:    (True,  True,  FLAGS,     False, True,  True,  False, False, False, False),
     Entry.CODE:       (True,  True,  FLAGS,     False, True,  True,  True,  False, False, False),
@@ -29,7 +29,7 @@ TABLE = {
 
 def test_the_table_names_every_field_in_order():
     assert FIELDS == ["own_process", "escalate", "advice", "prelaunch", "owns_group", "leaving",
-                      "restore_at_finish", "handlers_back", "resume_hint", "beat_files"]
+                      "restore_at_finish", "handlers_back", "resume_hint", "beats_itself"]
 
 
 @pytest.mark.parametrize("entry", list(Entry), ids=lambda e: e.value)
@@ -53,7 +53,7 @@ def test_invariants(entry):
     # how to resume, in those words.
     assert (p.advice is VARIABLES) == p.prelaunch == p.resume_hint
     # Beats on the rank record only where no group of its own carries them.
-    assert not (p.beat_files and p.owns_group)
+    assert not (p.beats_itself and p.owns_group)
     # Handlers kept at finish only where hpc_train's own code runs after it to the exit.
     assert p.restore_at_finish or p.own_process
 
