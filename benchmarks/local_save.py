@@ -48,7 +48,7 @@ def child(saves: int, model_name: str) -> dict[str, float]:
     base, run_dir = Path(tempfile.mkdtemp(dir="/dev/shm")), Path(tempfile.mkdtemp())
     cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1",
                                  "checkpoint.local_replicas=0"])
-    tier = LocalTier(cfg, run_dir, 0, 1, node=base / "hpc_train-bench" / "node0")
+    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=base / "hpc_train-bench" / "node0")
     writer_cpu: list[float] = []
     job = tier._background          # the writer thread's whole job, timed on that thread
 

@@ -68,14 +68,15 @@ class Run:
         self._multi = dist.is_initialized() and env.world_size > 1
         self._agreement = Agreement(self._multi, lambda: self._votes().encode())
         from hpc_train.node.straggler import Stragglers
-        self._stragglers = Stragglers.of(cfg, env, self._multi, self.run_dir)   # named, and swapped (job.*)
+        self._stragglers = Stragglers.of(cfg.dist, cfg.job.replace_stragglers, cfg.checkpoint.enabled, env, self._multi,
+                                         self.run_dir)   # named, and swapped (job.*)
         self._agreement.on_last_bucket = self._stragglers.enter
         self._wrapped = None     # strategies.Wrapped, once wrap() ran
         self._replicated: nn.Module | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._ckpt = None
         from hpc_train.node.report import Reporter
-        self._report = Reporter(cfg, self.run_dir, self.is_main)
+        self._report = Reporter(cfg.log, self.run_dir, self.is_main)
         self._local = None   # the node-local tier (hpc_train.ckpt.local), once asked for
         self._start_step = 0
         self._resumed_from: int | None = None   # see Checkpointer.resumed_from; None: no restore
@@ -187,8 +188,8 @@ class Run:
     def _local_tier(self):
         if self._local is None and config_local.enabled(self.config.checkpoint):
             from hpc_train.ckpt.local import LocalTier
-            self._local = LocalTier(self.config, self.run_dir, self.rank, self.world_size, self.checkpoint_record,
-                                    env=self.env)
+            self._local = LocalTier(self.config.checkpoint, self.config.dist, self.run_dir, self.rank, self.world_size,
+                                    self.checkpoint_record, env=self.env)
         return self._local
 
     def restore(self, state: dict[str, Any]) -> int:

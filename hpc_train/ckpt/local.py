@@ -55,7 +55,7 @@ from hpc_train.ckpt.checksum import CRC32C
 from hpc_train.ckpt.common import APP_FILE, rank_file, why
 from hpc_train.ckpt.crc import save_pt
 from hpc_train.ckpt.save import _app_state, _rank_state
-from hpc_train.config import Config
+from hpc_train.config import CheckpointSection, DistSection
 
 log = logging.getLogger("hpc_train")
 TIER = tiers.TIER   # the commit record's "tier"
@@ -77,9 +77,9 @@ class LocalTier:
     """One rank's side of the local tier. Build it on every rank when :func:`config_local.enabled`:
     the restore's agreement is a collective, so a rank whose tier is off still takes part."""
 
-    def __init__(self, config: Config, run_dir: Path, rank: int, world_size: int,
+    def __init__(self, checkpoint: CheckpointSection, dist: DistSection, run_dir: Path, rank: int, world_size: int,
                  record: dict[str, Any] | None = None, node: Path | None = None, env: Any = None) -> None:
-        cfg = self.cfg = config.checkpoint
+        cfg = self.cfg = checkpoint
         self.rank, self.world = rank, world_size
         self.run_dir = Path(run_dir).resolve()
         self.record = dict(record or {})
@@ -98,12 +98,12 @@ class LocalTier:
         # Copies: the same on every rank (config and the job's shape only), whatever each
         # node's directory turns out to be: every rank takes part in every exchange.
         self.peers: peer.Peers | None = None
-        if config.dist.strategy == "fsdp":
+        if dist.strategy == "fsdp":
             self._turn_off("dist.strategy=fsdp shards the state; the local tier holds whole replicas only")
             return
         ring, why_not = peer.ring(env, world_size, cfg.local_replicas)
         if ring is not None:
-            self.peers = peer.Peers(ring, self.node, config.dist.timeout_s)
+            self.peers = peer.Peers(ring, self.node, dist.timeout_s)
         elif why_not and rank == 0:
             log.info("local checkpoint tier: %s", why_not)
         self._turn_off(self._where())

@@ -8,12 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpc_train.config import Config
+from hpc_train.config import LogSection
 
 
 class Reporter:
-    def __init__(self, cfg: Config, run_dir: Path, is_main: bool) -> None:
-        self.cfg, self.run_dir, self.is_main = cfg, Path(run_dir), is_main
+    def __init__(self, log: LogSection, run_dir: Path, is_main: bool) -> None:
+        self.log, self.run_dir, self.is_main = log, Path(run_dir), is_main
         self._ledger = None
         self._monitor = None
         self._saved_step: int | None = None
@@ -28,7 +28,7 @@ class Reporter:
     def monitor(self, total_steps: int | None, start_step: int):
         if self._monitor is None:
             from hpc_train.node.monitor import Monitor
-            log = self.cfg.log
+            log = self.log
             self._monitor = Monitor(self.run_dir, total_steps, start_step, enabled=self.is_main,
                                     tensorboard=log.tensorboard, progress=log.progress)
         return self._monitor
@@ -54,7 +54,7 @@ class Reporter:
     def saved(self, ledger, step: int, blocked_s: float) -> None:
         """A save blocked the loop ``blocked_s``: the ledger's, and TensorBoard's training share."""
         ledger.saved(blocked_s)
-        if self._monitor is not None and self.cfg.log.tensorboard:
+        if self._monitor is not None and self.log.tensorboard:
             share = ledger.training_share()
             if share is not None:
                 self._monitor.scalar("goodput/training", share, step)

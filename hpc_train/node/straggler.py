@@ -71,14 +71,14 @@ class Stragglers:
         self.entered = None
 
     @classmethod
-    def of(cls, cfg, env, multi: bool, run_dir: Path) -> Stragglers:
-        """The run's watch, with the swap on where ``job.replace_stragglers`` can work here."""
-        d = cfg.dist
-        why = swap_refusal(os.environ, cfg.checkpoint.enabled) if cfg.job.replace_stragglers and multi else None
+    def of(cls, d, replace_stragglers: bool, checkpoints: bool, env, multi: bool, run_dir: Path) -> Stragglers:
+        """The run's watch (``d``: the dist section), with the swap on where
+        ``job.replace_stragglers`` can work here (``checkpoints``: checkpoint.enabled)."""
+        why = swap_refusal(os.environ, checkpoints) if replace_stragglers and multi else None
         if why and env.rank == 0 and d.straggler_every_steps > 0:
             log.warning("straggler: job.replace_stragglers is on, but %s: a slow rank is named, not swapped", why)
         return cls(d.straggler_every_steps, d.straggler_ratio, env.rank, env.world_size, multi, run_dir,
-                   d.straggler_window_s, cfg.job.replace_stragglers and why is None)
+                   d.straggler_window_s, replace_stragglers and why is None)
 
     def left(self, step: int, device, stop=None) -> dict[str, float] | None:
         """``step_end`` returns: the next step starts now. Every N steps, the gathering (every

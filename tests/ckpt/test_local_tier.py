@@ -377,7 +377,7 @@ def test_a_symlink_among_the_local_items_is_neither_listed_nor_removed_through(t
     base.mkdir()
     run_dir.mkdir()
     cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
-    tier = LocalTier(cfg, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
+    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
     assert tier.off is None
     model = torch.nn.Linear(2, 2)
     state = {"model": model, "step": 3}
@@ -407,7 +407,7 @@ def test_the_newest_items_are_kept_across_saves_and_a_restore(tmp_path):
     base.mkdir()
     run_dir.mkdir()
     cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
-    tier = LocalTier(cfg, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
+    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
     model = torch.nn.Linear(2, 2)
     state, kinds = {"model": model, "step": 0}, {"model": "module", "step": "plain"}
 
@@ -451,7 +451,7 @@ def test_a_pruned_item_s_files_are_overwritten_by_the_next_save_never_through_a_
     base.mkdir()
     run_dir.mkdir()
     cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
-    tier = LocalTier(cfg, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
+    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
     model = torch.nn.Linear(64, 64)
     state, kinds = {"model": model, "step": 0}, {"model": "module", "step": "plain"}
 

@@ -312,3 +312,21 @@ def test_a_rank_s_entry_points_read_as_their_phases(path, name):
     doc = fn.body[0] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else None
     lines = (fn.end_lineno - fn.lineno + 1) - ((doc.end_lineno - doc.lineno + 1) if doc else 0)
     assert lines <= 25, f"{name} is {lines} lines"
+
+
+# Below the lifecycle a module takes the config section it uses (issue 48.7). The exceptions hold
+# the config as a whole because the whole is their subject: the lifecycle's session (it hands the
+# sections out), the pre-launch sequence (it writes config.yaml) and the compatibility check (it
+# compares one run's config with another's).
+WHOLE_CONFIG = {"node/session.py", "ckpt/prelaunch.py", "ckpt/compat.py"}
+
+
+@pytest.mark.parametrize("path", sorted([*(PKG / "node").glob("*.py"), *(PKG / "ckpt").glob("*.py")]),
+                         ids=lambda p: str(p.relative_to(PKG)))
+def test_below_the_lifecycle_code_takes_the_config_section_it_uses(path):
+    if str(path.relative_to(PKG)) in WHOLE_CONFIG:
+        return
+    tree = ast.parse(path.read_text())
+    whole = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "hpc_train.config"
+             and any(a.name == "Config" for a in n.names)]
+    assert not whole, f"imports the whole Config (line {whole}); take the section it uses"

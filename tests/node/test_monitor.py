@@ -131,7 +131,7 @@ def test_a_checkpointed_step_and_every_record_before_it_are_on_disk_at_once(tmp_
     from hpc_train.node.report import Reporter
     cfg = Config()
     cfg.log.tensorboard = False
-    r = Reporter(cfg, tmp_path, is_main=True)
+    r = Reporter(cfg.log, tmp_path, is_main=True)
     try:
         for step in (1, 2, 3):
             r.record(step, {"loss": 1.0}, 100, 0, epoch=None, console=False)
