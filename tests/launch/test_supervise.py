@@ -240,3 +240,27 @@ def test_a_stop_that_came_before_the_script_started_does_not_start_it(tmp_path, 
     rec = json.loads((rd / "stopped.json").read_text())
     assert rec["stop_signal"] == "SIGUSR2" and rec["checkpoint"] is False and rec["steps"] is None, rec
     assert "SIGUSR2 came before the script started: not starting it" in caplog.text
+
+
+@pytest.mark.procs
+def test_a_script_that_exits_3_by_itself_is_that_rank_s_failure(tmp_path):
+    """Exit code 3 is also what a script on ``init()`` exits with after a stop (errors.EXIT_STOPPED),
+    but a user's script may exit 3 for its own reasons. The supervisor reads the outcome from the
+    records, not from the code: with no stop record of this launch, rank 1's exit 3 is rank 1's
+    failure, named with its last lines, not a stop; rank 0 (which the launcher then stops) is not
+    blamed (issue 48.2)."""
+    script = tmp_path / "three.py"
+    script.write_text("import os, sys, time\nprint('rank', os.environ['RANK'], 'working', flush=True)\n"
+                      "if os.environ['RANK'] == '1':\n    print('giving up: exit 3', flush=True)\n    sys.exit(3)\n"
+                      "time.sleep(60)\n")
+    rd = tmp_path / "run"
+    p = hpc("run", "--script", script, "--nproc", "2", "--run-dir", rd)
+    assert p.returncode == 1, show(p)
+    assert "worker rank 1 failed" in p.stderr and "exited with code 3" in p.stderr, show(p)
+    assert "giving up: exit 3" in p.stderr, show(p)
+    assert "worker rank 0 failed" not in p.stderr and "[rank 1]" not in _lines_with(p.stderr, "the script stopped")
+    assert not (rd / "result.json").exists()
+
+
+def _lines_with(text: str, what: str) -> str:
+    return "\n".join(line for line in text.splitlines() if what in line)
