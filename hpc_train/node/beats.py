@@ -142,6 +142,8 @@ class NodeBeats(_Beater):
             self._instead._beat()
             return
         with _beat_lock:
+            if self._stop.is_set():
+                return      # stop() removed the file: a beat now would leave it behind
             try:
                 try:
                     os.utime(self._path, follow_symlinks=False)
@@ -149,6 +151,26 @@ class NodeBeats(_Beater):
                     os.close(os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
             except OSError:      # a full memory must not kill the task from here
                 pass
+
+    def stop(self) -> None:
+        """Beating ends, and this rank's file goes with it, then each directory above it up to the
+        job's that is left empty (a local tier's items keep theirs): a job cancelled before its
+        batch script's cleanup (its tasks get SIGTERM and end) leaves nothing of the beats in node
+        memory. A SIGKILLed supervisor (its ``run`` launcher killed with -9) still leaves its file,
+        as the local tier leaves its items. The directories are this user's (``start`` checked them)."""
+        super().stop()
+        if self._instead is not None:
+            return
+        with _beat_lock:
+            try:
+                self._path.unlink()
+            except OSError:
+                pass
+            for d in (self.dir, self.dir.parent, self.dir.parent.parent):
+                try:
+                    d.rmdir()
+                except OSError:   # not empty (another rank beats there, a local tier's items): kept
+                    break
 
     def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
         now = time.time() if now is None else now

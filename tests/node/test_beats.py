@@ -186,12 +186,21 @@ def test_node_beats_are_read_back_and_a_missing_one_from_the_record(tmp_path):
     node, rd = tmp_path / "mem" / "hpc_train-p1" / "n1", tmp_path / "run"
     (tmp_path / "mem").mkdir()
     ranks.begin(rd, 2, 3)
-    for r in (0, 1):
-        beats.NodeBeats(node, rd, r).start().stop()
+    ranks_here = [beats.NodeBeats(node, rd, r).start() for r in (0, 1)]
     assert sorted(f.name for f in (node / ".beats").iterdir()) == ["rank-0", "rank-1"]
     assert not (rd / "logs" / ".heartbeat" / "rank-0").exists()
     ages = beats.NodeBeats(node, rd, -1).ages([0, 1, 2, 3], now=time.time() + 10)
     assert all(9 < ages[r] < 12 for r in (0, 1, 2)) and ages[3] is None
+    # Each rank's end removes its file, and the last one the directories left empty; a local
+    # tier's item beside them keeps its own.
+    (node / "rank-0").mkdir()
+    ranks_here[0].stop()
+    assert [f.name for f in (node / ".beats").iterdir()] == ["rank-1"]
+    ranks_here[1].stop()
+    assert [f.name for f in node.iterdir()] == ["rank-0"]
+    (node / "rank-0").rmdir()
+    beats.NodeBeats(node, rd, 0).start().stop()
+    assert list((tmp_path / "mem").iterdir()) == []
 
 
 def test_node_memory_that_is_not_ours_is_refused_and_the_rank_beats_on_its_record(tmp_path, caplog):
