@@ -87,6 +87,12 @@ def job_dir(local_dir: str, env: Mapping[str, str], ppid: int) -> Path:
     return base_dir(local_dir, env) / f"{PREFIX}{run_id(env, ppid)}"
 
 
+def as_workers_see(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without Slurm's variables, as the ``run`` launcher's workers get it: the launcher
+    names their node directories (ID: its own pid) through this."""
+    return {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+
+
 def node_dir(local_dir: str, env: Mapping[str, str], ppid: int, hostname: str | None = None) -> Path:
     return job_dir(local_dir, env, ppid) / node_name(env, hostname)
 

@@ -271,7 +271,7 @@ def _remove_local_tier(config_path: Path) -> None:
     after a failure (nothing restarts a `run` in place) or a kill of the workers."""
     import shutil
     from hpc_train import config as config_mod, config_local
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = config_local.as_workers_see(os.environ)
     try:
         dirs = {config_local.job_dir(config_mod.load(config_path).checkpoint.local_dir, env, os.getpid())}
     except Exception:  # noqa: BLE001 - an unreadable config: the default base is still cleaned

@@ -124,7 +124,7 @@ class NodeBeats(_Beater):
     def __init__(self, node: Path, run_dir: Path, rank: int) -> None:
         super().__init__()
         self.dir, self.run_dir, self.rank = node / config_local.BEATS, Path(run_dir), rank
-        self._path = self.dir / f"rank-{rank}"
+        self._path = config_local.rank_dir(self.dir, rank)
         self._instead: FileBeats | None = None
 
     def start(self):
@@ -177,7 +177,7 @@ class NodeBeats(_Beater):
         out: dict[int, float | None] = {}
         for r in rank_list:
             try:
-                out[r] = now - os.stat(self.dir / f"rank-{r}", follow_symlinks=False).st_mtime
+                out[r] = now - os.stat(config_local.rank_dir(self.dir, r), follow_symlinks=False).st_mtime
             except OSError:
                 out[r] = ranks.age(self.run_dir, r, now)
         return out
@@ -194,8 +194,8 @@ def for_script(env, run_dir: Path, local_dir: str) -> _Beater:
 def script_reader(run_dir: Path, local_dir: str, launcher_pid: int) -> _Beater:
     """What the ``run`` launcher reads its ``--script`` workers' beats with (never started): the
     node directory its workers name from their parent's pid, this process's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}   # as the workers see it
-    return NodeBeats(config_local.node_dir(local_dir, env, launcher_pid), run_dir, -1)
+    return NodeBeats(config_local.node_dir(local_dir, config_local.as_workers_see(os.environ), launcher_pid),
+                     run_dir, -1)
 
 
 class StoreBeats(_Beater):
