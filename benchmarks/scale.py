@@ -54,7 +54,7 @@ from reps import Reps  # noqa: E402
 from hpc_train import config as config_mod, goodput, rundir  # noqa: E402
 from hpc_train.ckpt import store  # noqa: E402
 from hpc_train.errors import EXIT_STOPPED  # noqa: E402
-from hpc_train.node.beats import BEAT_S  # noqa: E402
+from hpc_train.node.liveness import BEAT_S  # noqa: E402
 from hpc_train.records import jobs, ranks, stop  # noqa: E402
 from hpc_train.records import requeue as requeue_rec  # noqa: E402
 
@@ -161,8 +161,8 @@ def restore_plan(run_dir: Path, verify: bool, step: int) -> None:
 
 
 def watchdog_scan(run_dir: Path, world: int) -> None:
-    from hpc_train.node import beats, watchdog
-    found = beats.stale(beats.FileBeats(run_dir, -1), list(range(1, world)), watchdog.limit_for(600.0), time.time() - 60)
+    from hpc_train.node import beats, liveness
+    found = beats.stale(beats.FileBeats(run_dir, -1), list(range(1, world)), liveness.heartbeat_limit(600.0), time.time() - 60)
     if found is not None:
         raise RuntimeError(f"the scan named rank {found[0]}")
 
@@ -188,8 +188,8 @@ def store_beats(world: int):
 
 
 def store_scan(reader, world: int) -> None:
-    from hpc_train.node import beats, watchdog
-    found = beats.stale(reader, list(range(1, world)), watchdog.limit_for(600.0), time.time() - 60)
+    from hpc_train.node import beats, liveness
+    found = beats.stale(reader, list(range(1, world)), liveness.heartbeat_limit(600.0), time.time() - 60)
     if found is not None:
         raise RuntimeError(f"the scan named rank {found[0]}")
 
@@ -213,7 +213,7 @@ def measure_ops(world: int, nodes: int) -> list[tuple[str, str, str]]:
     traced 2-rank local run. TensorBoard and metrics are rank 0's alone and stay as measured; a
     heartbeat touch is every rank's; the scan of every rank's heartbeat is measured at the local
     launcher's cadence (each rank once a second) and extrapolated at a Slurm job's (rank 0's
-    watchdog: each rank every max(BEAT_S, limit_for(dist.timeout_s) / 10) s, 30 s at the default
+    watchdog: each rank every max(BEAT_S, heartbeat_limit(dist.timeout_s) / 10) s, 30 s at the default
     600 s); anything else grows with the ranks."""
     import rundir_ops
     tmp = Path(tempfile.mkdtemp(prefix="scale-ops-"))

@@ -299,7 +299,7 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
            reader=None) -> tuple[int, int | None] | None:
     """Until every worker exited: the first failure, (rank, exit code; None for a rank that
     stopped responding), after which the others are ended (SIGTERM, SIGKILL after a grace)."""
-    from hpc_train.node import watchdog
+    from hpc_train.node import liveness
     failed: tuple[int, int | None] | None = None
     deadline = None
     next_check = time.monotonic() + 1.0
@@ -311,7 +311,7 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
             if dead:
                 # A peer that froze makes the others fail in their collectives: name it, not them.
                 alive = [r for r, p in enumerate(procs) if p.poll() is None]
-                frozen = _frozen(procs, alive, 3 * watchdog.BEAT_S, started, reader)
+                frozen = _frozen(procs, alive, liveness.FROZEN_AFTER_S, started, reader)
                 rank = _culprit(run_dir, dead) if frozen is None else frozen[0]
                 failed = (rank, procs[rank].returncode if frozen is None else None)
                 if frozen is not None:
@@ -321,7 +321,7 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
         if failed is None and time.monotonic() >= next_check:
             next_check = time.monotonic() + 1.0
             alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
-            hung = _frozen(procs, alive, watchdog.limit_for(hang_s), started, reader) if reader is not None else None
+            hung = _frozen(procs, alive, liveness.heartbeat_limit(hang_s), started, reader) if reader is not None else None
             if hung is not None:
                 _name_frozen(run_dir, procs, *hung)
                 failed = (hung[0], None)

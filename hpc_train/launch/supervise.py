@@ -45,7 +45,7 @@ from typing import IO, Any
 from hpc_train import rundir
 from hpc_train.config import JobSection, TrainSection
 from hpc_train.launch import framework_check, joined
-from hpc_train.node import environment, watchdog
+from hpc_train.node import environment, liveness, watchdog
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node import beats as beats_mod
 from hpc_train.node.stops import StopRequest
@@ -306,7 +306,7 @@ def _all_finished(timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest, r
     all finished. A rank that fails ends this wait from outside (the local launcher's SIGTERM,
     ``srun --kill-on-bad-exit``); one that goes silent, its heartbeat stale, fails it here."""
     since = time.time()
-    limit = watchdog.limit_for(timeout_s)
+    limit = liveness.heartbeat_limit(timeout_s)
     logged = False
     while True:
         ends = {r: watchdog.ended(rd, r) for r in range(env.world_size)}

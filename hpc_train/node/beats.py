@@ -1,4 +1,4 @@
-"""Heartbeats: each rank says every :data:`BEAT_S` seconds that it is alive, and a watcher reads
+"""Heartbeats: each rank says every :data:`~hpc_train.node.liveness.BEAT_S` seconds that it is alive, and a watcher reads
 how long ago each peer last did. Torch only inside :class:`StoreBeats`.
 
 Two channels, one per kind of process:
@@ -26,7 +26,7 @@ Two channels, one per kind of process:
 Hazard: a ``TCPStore`` whose server is frozen (rank 0 stopped with SIGSTOP hosts it, unless
 torchrun's agent does) blocks every request, with no timeout, even a new connection's (its
 kernel still accepts). So reads run on a thread of their own and one is given up after
-:data:`READ_WAIT_S`: the store's host is then the culprit (:class:`Silent`). That thread lives as
+:data:`~hpc_train.node.liveness.READ_WAIT_S`: the store's host is then the culprit (:class:`Silent`). That thread lives as
 long as the heartbeat, and reads one request at a time: a thread made per read was, now and then,
 half made when its process was stopped (a thread state linked in, its thread not yet run), and
 faulthandler's dump of every thread, which the watchdog asks of a frozen rank, crashed on it
@@ -45,11 +45,10 @@ import time
 from pathlib import Path
 
 from hpc_train import config_local
+from hpc_train.node import liveness
 from hpc_train.records import ranks
 
 log = logging.getLogger("hpc_train")
-BEAT_S = 2.0
-READ_WAIT_S = 5.0        # a store that does not answer a read in this long is frozen or gone
 
 # Held while the file channel touches its file, and by a fork (data-loader workers fork the
 # training process): a child must never be made while that thread is inside a C call that may
@@ -69,13 +68,13 @@ class Silent(Exception):
 
 
 class _Beater:
-    """A daemon thread that calls ``self._beat()`` every :data:`BEAT_S` seconds until stopped."""
+    """A daemon thread that calls ``self._beat()`` every :data:`~hpc_train.node.liveness.BEAT_S` seconds until stopped."""
 
     def __init__(self) -> None:
         self._stop = threading.Event()
 
     def start(self):
-        """Beat once, then every :data:`BEAT_S` seconds. A reader that only asks for ages (a
+        """Beat once, then every :data:`~hpc_train.node.liveness.BEAT_S` seconds. A reader that only asks for ages (a
         watcher's own ``FileBeats``) never starts, and so never makes a thread."""
         self._beat()
         threading.Thread(target=self._loop, name="hpc_train-heartbeat", daemon=True).start()
@@ -85,7 +84,7 @@ class _Beater:
         self._stop.set()
 
     def _loop(self) -> None:
-        while not self._stop.wait(BEAT_S):
+        while not self._stop.wait(liveness.BEAT_S):
             self._beat()
 
     def _beat(self) -> None:
@@ -227,12 +226,12 @@ class StoreBeats(_Beater):
             self._failed = True
 
     def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
-        deadline = time.monotonic() + READ_WAIT_S
+        deadline = time.monotonic() + liveness.READ_WAIT_S
         with self._asking:
             # A read still out is waited for first: the store answers one request at a time.
             before = self._last
             if before is not None and not before.done.wait(max(0.0, deadline - time.monotonic())):
-                raise Silent(f"the rendezvous store at {self.where} did not answer in {READ_WAIT_S:.0f}s",
+                raise Silent(f"the rendezvous store at {self.where} did not answer in {liveness.READ_WAIT_S:.0f}s",
                              self.host_rank)
             read = self._last = _Read([str(r) for r in rank_list])
             if self._reader is None:
@@ -240,7 +239,7 @@ class StoreBeats(_Beater):
                 self._reader.start()
             self._asks.put(read)
         if not read.done.wait(max(0.0, deadline - time.monotonic())):
-            raise Silent(f"the rendezvous store at {self.where} did not answer in {READ_WAIT_S:.0f}s", self.host_rank)
+            raise Silent(f"the rendezvous store at {self.where} did not answer in {liveness.READ_WAIT_S:.0f}s", self.host_rank)
         if read.error is not None:
             raise Silent(f"the rendezvous store at {self.where} failed: {str(read.error).splitlines()[0][:200]}",
                          self.host_rank)
@@ -301,12 +300,11 @@ def stale(beats: _Beater, rank_list: list[int], limit_s: float, since: float) ->
     except Silent as e:
         if e.host_rank is not None and e.host_rank in rank_list:
             log.warning("%s: its host, rank %d, is frozen or gone", e, e.host_rank)
-            return e.host_rank, READ_WAIT_S      # at least that long: how long it did not answer
+            return e.host_rank, liveness.READ_WAIT_S      # at least that long: how long it did not answer
         raise
     worst: tuple[int, float] | None = None
     for r in rank_list:
-        beat = ages[r]
-        age = now - since if beat is None else min(beat, now - since)
-        if age > limit_s and (worst is None or age > worst[1]):
+        age = liveness.age(ages[r], now - since)
+        if liveness.silent(age, limit_s) and (worst is None or age > worst[1]):
             worst = (r, age)
     return worst

@@ -1,7 +1,7 @@
 """The hang watch of a loop that steps through :class:`~hpc_train.run.Run` (the built-in
 trainer and a user's loop alike). No torch here.
 
-A step is hung when it has not ended for 10 x the run's recent p99 step time, and at least
+A step is hung when it has not ended for :data:`~hpc_train.node.liveness.HANG_STEP_FACTOR` (10) x the run's recent p99 step time, and at least
 ``dist.hang_floor_s`` (``dist.hang_timeout_s: auto``), or for ``dist.hang_timeout_s`` seconds
 when that is a number. The heartbeat alone (:mod:`hpc_train.node.watchdog`) waits half of
 ``dist.timeout_s`` (300 s by default) before it names a frozen rank; the run's own steps say much
@@ -11,7 +11,7 @@ Known long phases keep that long limit: the time up to the first step (rendezvou
 data, compilation), a restore, a save, whatever the code marks with :meth:`Run.long_phase
 <hpc_train.run.Run.long_phase>` (an evaluation), and the step after each (a rank that saved or
 evaluated alone keeps the others waiting in that step's collective). The first steps after a
-start (``WARMUP``) have it too, until there is a p99 to go by.
+start (:data:`~hpc_train.node.liveness.HANG_WARMUP_STEPS`) have it too, until there is a p99 to go by.
 
 Past the limit, this rank's watch thread looks at its peers' heartbeats. A peer whose heartbeat
 has stopped (a frozen process: SIGSTOP, a node that stopped answering) is the culprit, named at
@@ -43,14 +43,12 @@ from pathlib import Path
 from hpc_train import rundir
 from hpc_train.config import DistSection
 from hpc_train.config_rules import hang_timeout
-from hpc_train.node import beats, watchdog
+from hpc_train.node import beats, liveness, watchdog
+from hpc_train.node.liveness import HANG_CHECK_S as CHECK_S
+from hpc_train.node.liveness import HANG_STEP_FACTOR as K
+from hpc_train.node.liveness import HANG_WARMUP_STEPS as WARMUP
 from hpc_train.node.environment import NodeEnv
 
-K = 10              # x the p99 step time
-WARMUP = 20         # steps timed before the step limit applies
-WINDOW = 512        # recent steps the p99 is taken over
-CHECK_S = 1.0
-FLOOR_S = 20.0      # dist.hang_floor_s 0: this, or the long limit when that is less
 log = logging.getLogger("hpc_train")
 
 
@@ -61,7 +59,7 @@ class Progress:
     def __init__(self, fixed_s: float | None, floor_s: float, long_s: float) -> None:
         self.fixed_s, self.floor_s, self.long_s = fixed_s, floor_s, long_s
         self._lock = threading.Lock()
-        self._times: deque[float] = deque(maxlen=WINDOW)
+        self._times: deque[float] = deque(maxlen=liveness.HANG_WINDOW_STEPS)
         self.phase, self.since, self.step = "start-up", time.monotonic(), None   # guarded by _lock
 
     def stepped(self, step: int) -> None:
@@ -145,7 +143,7 @@ class HangWatch:
             if warned and now < recheck:
                 continue
             try:
-                frozen = beats.stale(self.beats, peers, 3 * beats.BEAT_S, self._started)
+                frozen = beats.stale(self.beats, peers, liveness.FROZEN_AFTER_S, self._started)
             except beats.Silent as e:      # torchrun's agent store: nobody to name, nothing learnt
                 log.warning("%s", e)
                 frozen = None
@@ -221,8 +219,8 @@ class Watches:
 
 def watch(d: DistSection, session) -> tuple[Progress, Watches]:
     """A Run's progress, and its heartbeat and watches over the ``session``'s run directory, started."""
-    long_s = watchdog.limit_for(d.timeout_s)
-    progress = Progress(hang_timeout(d.hang_timeout_s, d.timeout_s, d.hang_floor_s), d.hang_floor_s or min(FLOOR_S, long_s), long_s)
+    long_s = liveness.heartbeat_limit(d.timeout_s)
+    progress = Progress(hang_timeout(d.hang_timeout_s, d.timeout_s, d.hang_floor_s), d.hang_floor_s or min(liveness.HANG_FLOOR_S, long_s), long_s)
     env, run_dir = session.env, session.run_dir
     # Alone, a rank has no peer to name and no collective to wait in.
     beating = beats.for_run(env, run_dir, through_store=session.policy.owns_group)

@@ -10,7 +10,7 @@ time can. Without a watched DDP module (another strategy, a loop of its own) it 
 
 Every N steps every rank contributes its mean own time over those steps to one all-gather of
 ``world_size`` float32 values (4 bytes a rank: 16 KiB at 4096 ranks, every 50 steps). Rank 0
-keeps the last :data:`WINDOW` gatherings; a rank whose own time was at least
+keeps the last :data:`~hpc_train.node.liveness.STRAGGLER_GATHERINGS` gatherings; a rank whose own time was at least
 ``dist.straggler_ratio`` times the median of the other ranks' in each of them is named once, in one line (rank,
 node, how much slower, since which step), until it recovers. ``metrics.jsonl`` and TensorBoard
 get the spread (median, max, the slowest rank) at every gathering.
@@ -35,8 +35,9 @@ import time
 from collections import deque
 from pathlib import Path
 
+from hpc_train.node.liveness import STRAGGLER_GATHERINGS as WINDOW
+
 log = logging.getLogger("hpc_train")
-WINDOW = 2          # gatherings a rank must be slow in before it is named
 
 
 class Stragglers:

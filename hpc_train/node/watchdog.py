@@ -2,13 +2,13 @@
 
 A collective timeout says only that *some* peer is missing, and every survivor reports it, so the
 culprit goes unnamed (NCCL's maintainers: there is no such feature; pytorch #118369). Here every
-task runs a daemon thread that beats every :data:`BEAT_S` seconds (:mod:`hpc_train.node.beats`:
+task runs a daemon thread that beats every :data:`~hpc_train.node.liveness.BEAT_S` seconds (:mod:`hpc_train.node.beats`:
 through the rendezvous store, or a ``--script``'s supervisor on its record).
 The thread beats while the main thread computes, reads a checkpoint or waits in a collective
 (those release the GIL), so a slow rank is never blamed; a rank that is stopped (SIGSTOP), frozen
 in the kernel, or stuck holding the GIL stops beating. The watcher, the local ``run`` launcher or
-rank 0 of a Slurm job, names the first rank whose heartbeat is older than ``dist.timeout_s``,
-(half of ``dist.timeout_s``: before the peers' collectives time out) has every task write its Python stacks to its rank log (faulthandler on :data:`DUMP_SIGNAL`),
+rank 0 of a Slurm job, names the first rank whose heartbeat is older than its limit
+(:mod:`hpc_train.node.liveness`: half of ``dist.timeout_s``, before the peers' collectives time out), has every task write its Python stacks to its rank log (faulthandler on :data:`DUMP_SIGNAL`),
 and ends the run; on Slurm that is a ``failure``, requeued within its budget.
 """
 
@@ -26,8 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpc_train import rundir, slurm
-from hpc_train.node import beats
-from hpc_train.node.beats import BEAT_S
+from hpc_train.node import beats, liveness
 from hpc_train.records import ranks
 from hpc_train.records.ranks import StepId
 
@@ -113,14 +112,14 @@ def lost_peer(run_dir: Path, world_size: int, rank: int, error: str = "", wait_s
             return f"rank {there[0]} (pid {h.pid} on {h.node}) dropped its connection"
         if there:
             return f"a rank on {recs[there[0]].node} (ranks {', '.join(map(str, there))}) dropped its connection"
-        if elsewhere is None:     # read once: a frozen store takes beats.READ_WAIT_S to say so
+        if elsewhere is None:     # read once: a frozen store takes liveness.READ_WAIT_S to say so
             far = [r for r, h in recs.items() if h.host != me]
             try:
                 elsewhere = _reader.ages(far, now) if far and _reader is not None else {}
             except beats.Silent:
                 elsewhere = {}
         for r, age in elsewhere.items():
-            if age is not None and age > 2 * BEAT_S + 1:
+            if liveness.silent(age, liveness.LOST_AFTER_S):
                 h = recs[r]
                 return f"rank {r} (pid {h.pid} on {h.node}) stopped beating {age:.0f}s ago"
         if now >= deadline:
@@ -218,12 +217,6 @@ def ask_step_for_stacks(job_step: str) -> None:
         slurm.scancel(f"--signal={sig}", job_step)     # best effort: the step ends anyway
 
 
-def limit_for(timeout_s: float) -> float:
-    """How old a heartbeat may get: half of ``dist.timeout_s``, so a frozen rank is named before
-    its peers' collectives time out (and blame nobody), but never under three beats."""
-    return max(3 * BEAT_S, timeout_s / 2)
-
-
 def holder(run_dir: Path, rank: int) -> tuple[str, int | None]:
     """Where rank ``rank`` runs (its node, as Slurm names it) and its pid, from its record."""
     rec, _ = ranks.read(run_dir, rank)
@@ -237,7 +230,7 @@ def describe(run_dir: Path, rank: int, age: float | None) -> str:
     return f"rank {rank} (pid {pid} on {host}) stopped responding: {how}; its Python stack is in {rundir.rank_log(run_dir, rank)}"
 
 
-def stopped(pid: int, settle_s: float = 0.3) -> bool:
+def stopped(pid: int, settle_s: float = liveness.STOPPED_SETTLE_S) -> bool:
     """The process is stopped (state T: SIGSTOP, SIGTSTP; t: a debugger holds it), as this host's
     kernel says: what the local launcher asks of its own workers, with no heartbeat to read. Seen
     so twice, ``settle_s`` apart, with no context switch between: a process that a tracer such as
@@ -273,11 +266,11 @@ def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str,
     ``srun --kill-on-bad-exit`` ends the step; the batch shell's hook counts a failure.
     """
     since = time.time()
-    limit_s = limit_for(timeout_s)
+    limit_s = liveness.heartbeat_limit(timeout_s)
 
     def loop() -> None:
         while True:
-            time.sleep(max(BEAT_S, limit_s / 10))
+            time.sleep(liveness.look_every(limit_s))
             try:
                 found = beats.stale(reader, list(range(1, world)), limit_s, since)
             except beats.Silent:

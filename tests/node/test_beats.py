@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hpc_train.launch.local import free_port
-from hpc_train.node import beats
+from hpc_train.node import beats, liveness
 
 SERVE = ("import sys, time, torch.distributed as d; "
          "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False); "
@@ -39,7 +39,7 @@ def store():
 @pytest.mark.procs
 def test_store_beats_are_read_as_ages_and_a_silent_peer_is_named(store, monkeypatch):
     _, port = store
-    monkeypatch.setattr(beats, "BEAT_S", 0.1)
+    monkeypatch.setattr(liveness, "BEAT_S", 0.1)
     one = beats.StoreBeats("127.0.0.1", port, 1, "hpc_train/beats/", 0).start()
     two = beats.StoreBeats("127.0.0.1", port, 2, "hpc_train/beats/", 0).start()
     watcher = beats.StoreBeats("127.0.0.1", port, 0, "hpc_train/beats/", 0)   # reads; never started
@@ -111,8 +111,8 @@ def test_a_frozen_store_names_its_host_instead_of_hanging_the_watcher(store):
     t0 = time.monotonic()
     found = beats.stale(watcher, [0], 60.0, time.time())
     took = time.monotonic() - t0
-    assert found == (0, beats.READ_WAIT_S), found
-    assert took < beats.READ_WAIT_S + 2, took
+    assert found == (0, liveness.READ_WAIT_S), found
+    assert took < liveness.READ_WAIT_S + 2, took
     # torchrun's agent hosts the store: no rank to blame, so the caller hears of it.
     agent = beats.StoreBeats.__new__(beats.StoreBeats)
     agent.__dict__.update(watcher.__dict__, host_rank=None)
@@ -137,7 +137,7 @@ def test_a_training_run_touches_no_rank_record_while_it_trains(tmp_path):
         recs = sorted((rd / "logs" / ".heartbeat").iterdir())
         assert [r.name for r in recs] == ["rank-0", "rank-1"]
         before = [r.stat().st_mtime_ns for r in recs]
-        time.sleep(3 * beats.BEAT_S)
+        time.sleep(3 * liveness.BEAT_S)
         assert p.poll() is None
         assert [r.stat().st_mtime_ns for r in recs] == before
     finally:
@@ -166,12 +166,12 @@ def test_a_script_s_supervisors_beat_in_node_memory_not_on_the_run_directory(tmp
         recs = sorted((rd / "logs" / ".heartbeat").iterdir())
         assert [r.name for r in recs] == ["rank-0", "rank-1"]
         before = [r.stat().st_mtime_ns for r in recs]
-        time.sleep(3 * beats.BEAT_S)
+        time.sleep(3 * liveness.BEAT_S)
         assert p.poll() is None, p.communicate(timeout=30)
         assert [r.stat().st_mtime_ns for r in recs] == before
         found = sorted(node_mem.glob("hpc_train-p*/*/.beats/rank-*"))
         assert [f.name for f in found] == ["rank-0", "rank-1"], found
-        assert all(time.time() - f.stat().st_mtime < 2 * beats.BEAT_S for f in found)
+        assert all(time.time() - f.stat().st_mtime < 2 * liveness.BEAT_S for f in found)
         assert oct(found[0].parent.stat().st_mode & 0o777) == "0o700"
     finally:
         p.send_signal(signal.SIGTERM)
