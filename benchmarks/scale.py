@@ -4,7 +4,7 @@
 A synthetic run directory of a Slurm job (``--ranks`` ranks on ``--nodes`` nodes, default 4096 on
 512) is written through the records' own writers: ``config.yaml``, ``job.json``, every rank's
 record (``logs/.heartbeat/rank-R``, begun and ended as a preemption stop leaves it) and log,
-``stopped.json``, ``requeue.pending``, a ``requeue.json`` of earlier preemptions, a goodput ledger
+``stopped.json`` with rank 0's request, a ``requeue.json`` of earlier preemptions, a goodput ledger
 over those runs, a ``metrics.jsonl`` of ``--steps`` lines, and two complete checkpoints whose
 ``commit.json`` is written by ``hpc_train.ckpt.store.write_commit`` (sizes and CRC32C of every
 file) over small files of random bytes in DCP's layout (``.metadata``, ``__R_0.distcp`` and
@@ -130,8 +130,8 @@ def build(run_dir: Path, world: int, nodes: int, steps: int) -> None:
                 ranks.say(run_dir, r, ended="stopped")
     _checkpoint(run_dir, steps - 500, world, now - 600)
     _checkpoint(run_dir, steps, world, now - 10)
-    stop.write(run_dir, stop.StopRecord(steps, SIGNAL, now - 30, True, now - 10))
-    requeue_rec.write_pending(run_dir, requeue_rec.Pending(JOB, steps, SIGNAL, now - 30, JOB, RESTART, ATTEMPT))
+    stop.write(run_dir, stop.StopRecord(steps, SIGNAL, now - 30, True, now - 10,
+                                        request=stop.Request(JOB, JOB, RESTART, ATTEMPT)))
 
 
 def hook_gather_decide(run_dir: Path, world: int, nodes: int):

@@ -3,8 +3,9 @@
 Flow on a stop signal (preemption, or the time limit's ``--signal``/SIGTERM):
 
 1. every rank agrees at a step boundary, saves, and exits cleanly (trainer + checkpoint);
-2. rank 0, before exiting, leaves its request for the batch shell: the signal, when it came,
-   the step it saved (:func:`request_for_stop`, ``requeue.pending``). It counts nothing;
+2. rank 0, before exiting, leaves its request for the batch shell in the stop record: the
+   signal, when it came, the step it saved, the step that asks (:func:`request_for_stop`,
+   ``stopped.json``). It counts nothing;
 3. after ``srun`` returns, the batch shell runs the requeue hook
    (:mod:`hpc_train.login.hook`), which decides (a time-limit stop or a preemption, within that
    cause's budget; a failure, restarted in place first) and issues at most one
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from hpc_train.records import requeue as record
 from hpc_train.records.ranks import StepId
+from hpc_train.records.stop import Request
 
 
 def budgets_of(j) -> dict[str, int]:
@@ -31,27 +33,26 @@ def budgets_of(j) -> dict[str, int]:
 
 
 def requested(run_dir: Path) -> bool:
-    """Rank 0 asked the batch shell for a requeue (and it has not acted on it yet)."""
-    return record.pending_exists(Path(run_dir))
+    """Rank 0 of this step asked the batch shell for a requeue (the stop record's request names
+    this step)."""
+    pending, _ = record.read_pending(Path(run_dir))
+    here = StepId.from_env()
+    return pending is not None and (pending.job, pending.restart, pending.attempt) == (here.job, here.restart, here.attempt)
 
 
-def request_for_stop(job, env, run_dir: Path, step: int | None, stop) -> str:
-    """Rank 0, after a stop's checkpoint (or a stopped script): leave the request for the batch
-    shell's hook, which decides. Returns the line for the stop record and the log."""
+def request_for_stop(env, step: int | None, stop) -> tuple[str, Request]:
+    """Rank 0, after a stop's checkpoint (or a stopped script): the request for the batch shell's
+    hook, which decides, and the line for the stop record and the log. The stop record holds
+    both (:func:`hpc_train.node.stops.record_stop`)."""
     received = getattr(stop, "received_at", None) or time.time()
-    # The record holds the signal as job.signal names it (USR2, TERM), which the hook compares
-    # it with; StopRequest.name is Python's (SIGUSR2).
-    name = (getattr(stop, "name", "") or "").removeprefix("SIG")
     here = StepId.from_env()
     target = env.requeue_target or ""
     swap = getattr(stop, "swap", None)    # (rank, node) of a straggler stop: the hook swaps the node
-    record.write_pending(Path(run_dir), record.Pending(target, step, name, received, here.job,
-                                                       here.restart, here.attempt, swap and swap[1],
-                                                       swap and swap[0]))
+    request = Request(target, here.job, here.restart, here.attempt, swap and swap[1], swap and swap[0])
     at = "an unknown step" if step is None else f"step {step}"
     # No cause here: srun's SIGTERM after a peer died looks the same from this rank as the
     # scheduler's stop. The hook, which sees every rank's record, says what it was.
-    why = f"to swap {swap[1]} (rank {swap[0]}'s node, a straggler) for a spare" if swap else f"by SIG{name}"
+    why = f"to swap {swap[1]} (rank {swap[0]}'s node, a straggler) for a spare" if swap else f"by {stop.name}"
     msg = f"stopped {why} at {at}; asked the batch shell's requeue hook to decide what follows for {target}"
     logging.getLogger("hpc_train").warning("%s (%.1fs after the signal)", msg, time.time() - received)
-    return msg
+    return msg, request

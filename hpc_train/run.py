@@ -325,7 +325,7 @@ class Run:
             self._ckpt.close()
         self._report.flush()     # the loop may still log this step; closed at exit
         saved = self._ckpt is not None
-        record_stop(self.config.job, self.env, self.run_dir, self.stop, step=step, checkpoint=saved)
+        record_stop(self.env, self.run_dir, self.stop, step=step, checkpoint=saved)
         if self.is_main:
             log.info("%s by %s at step %d", "checkpoint saved" if saved else "stopped", self.stop.name, step)
 

@@ -4,7 +4,7 @@
 ``rank-R.error`` when a rank fails), ``metrics.jsonl``, ``tb/``, ``checkpoints/step-N/``,
 ``submission.sh`` (the batch script, as submitted), and the records of the run's fate, each
 with its own owner in :mod:`hpc_train.records` (``result.json``, ``stopped.json``,
-``requeue.json``, ``requeue.pending``, ``job.json``, the ranks' records) or
+``requeue.json``, ``job.json``, the ranks' records) or
 :mod:`hpc_train.goodput` (``goodput.json``). This module reads and writes bytes and JSON for
 them; what a record means is its owner's.
 """

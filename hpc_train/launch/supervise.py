@@ -101,7 +101,7 @@ def _drop(console: IO[bytes]) -> None:
 def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeEnv, rd: Path,
               stop: StopRequest, beats: Any) -> dict[str, Any]:
     """Run ``train.script`` with ``train.args`` on this task, its output to the console and the
-    rank's log; a stop reaches it as SIGTERM. ``job``: for the stop record and its requeue;
+    rank's log; a stop reaches it as SIGTERM. ``job``: its signal and the grace a stop gives;
     ``timeout_s``: how long a silent rank may take before it counts as gone. The run directory's
     lock, a finished run and the heartbeat are the lifecycle's (:mod:`hpc_train.node.session`);
     ``beats``: that heartbeat, which rank 0 reads for its peers at the end."""
@@ -112,7 +112,7 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
         # The stop came while this process was starting: a script started now could only be
         # killed before it had its own SIGTERM handler, so it is not started at all.
         stop.ignore_further()
-        return _stopped(job, env, rd, stop, started, None, f"{stop.name} came before the script started: "
+        return _stopped(env, rd, stop, started, None, f"{stop.name} came before the script started: "
                                                            f"not starting it")
     cmd = [sys.executable, "-u", str(script), *train.args]
     log.info("running %s", " ".join(cmd))
@@ -136,7 +136,7 @@ def supervise(train: TrainSection, job: JobSection, timeout_s: float, env: NodeE
     for t in threads:
         t.join(timeout=10)
     logfile.close()
-    return _conclude(proc.returncode, forwarded, wrong, list(tail), script, job, timeout_s, env, rd, stop, started,
+    return _conclude(proc.returncode, forwarded, wrong, list(tail), script, timeout_s, env, rd, stop, started,
                      beats)
 
 
@@ -208,7 +208,7 @@ def _sleep_unless_exit(exit_fd: int | None) -> None:
         select.select([exit_fd], [], [], POLL_S)    # a signal's handler runs, then the wait goes on
 
 
-def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], script: Path, job: JobSection,
+def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], script: Path,
               timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest, started: float, beats: Any) -> dict[str, Any]:
     """What the script's exit means for this task: a failure (raised, with its error file), a
     stop (recorded), or its part of a finished run (rank 0 writes result.json once every rank's
@@ -227,7 +227,7 @@ def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], scr
     # with the stopped code: that is a stop too, not a failure.
     own_stop = code == EXIT_STOPPED and _stop_recorded_since(rd, started, wait_s=10.0)
     if (stop.requested and not late) or own_stop:
-        return _stopped(job, env, rd, stop, started, code, f"the script stopped ({stop.name}; it {_how(code)})")
+        return _stopped(env, rd, stop, started, code, f"the script stopped ({stop.name}; it {_how(code)})")
     if code != 0 and not (late and finished):
         from hpc_train.records.ranks import node_name
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
@@ -242,13 +242,13 @@ def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], scr
     return {"stopped": False, "exit_code": 0}
 
 
-def _stopped(job: JobSection, env: NodeEnv, rd: Path, stop: StopRequest, started: float, code: int | None,
+def _stopped(env: NodeEnv, rd: Path, stop: StopRequest, started: float, code: int | None,
              line: str) -> dict[str, Any]:
     """This task ended at a stop: recorded (unless the script's own Run recorded it: a stop the
     script never saw has hpc_train's record), said in ``line``, and this rank's end said."""
     from hpc_train.node.stops import record_stop
     if stop.requested and not _stop_recorded_since(rd, started):
-        record_stop(job, env, rd, stop, step=None, checkpoint=False)
+        record_stop(env, rd, stop, step=None, checkpoint=False)
     log.info("%s", line)
     watchdog.say_ended(rd, env.rank, "stopped")
     return {"stopped": True, "exit_code": code}

@@ -161,7 +161,7 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict) -> Any:
     try:
         out, interrupted = _run_code(s, run, device, target, args, kwargs)
         if stop.requested and not run.stopped and not run.finished:
-            record_stop(cfg.job, env, rd, stop, step=None, checkpoint=False)
+            record_stop(env, rd, stop, step=None, checkpoint=False)
         elif not run.stopped and not run.finished:
             # The code returned without run.finish(): it is done all the same.
             run.finish(out if isinstance(out, dict) else {"result": out})

@@ -72,7 +72,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     inc = Incarnation(target(env), _int(env, "SLURM_RESTART_COUNT"))
     step = StepId(env.get("SLURM_JOB_ID", ""), inc.restart, _int(env, ranks_rec.ATTEMPT_ENV))
     history = requeue_rec.read(run_dir)
-    pending, pending_note = _pending(run_dir, inc, step)
+    pending, pending_note = _pending(run_dir, inc, step, _int(env, BATCH_START_ENV))
     note += pending_note
     allocated = tuple(nodes.expand(env.get("SLURM_JOB_NODELIST", "")))
     first = job.nodes if nodes.guards_nodes(job) else (_int(env, "SLURM_JOB_NUM_NODES") or _int(env, "SLURM_NNODES")
@@ -123,18 +123,23 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     return inputs, history
 
 
-def _pending(run_dir: Path, inc: Incarnation, step: StepId) -> tuple[requeue_rec.Pending | None, str]:
+def _pending(run_dir: Path, inc: Incarnation, step: StepId, batch_start: int) -> tuple[requeue_rec.Pending | None, str]:
     """The stop request this step left, if any, and a note: a damaged or an earlier step's one must not decide."""
-    pending, problem = requeue_rec.read_pending(run_dir)
+    pending, problem = requeue_rec.read_pending(run_dir, since=batch_start)
     if problem is not None:
-        # Written atomically by rank 0, so only outside hands damage it; it exists only after a
-        # stop asked for a requeue: this task's own requeue is the only safe reading.
+        # Written atomically by rank 0, so only outside hands damage it; written in this job,
+        # it exists only after a stop asked for a requeue: this task's own requeue is the only
+        # safe reading.
         return (requeue_rec.Pending(inc.target, None, "", None, step.job, step.restart, step.attempt),
-                f"{requeue_rec.PENDING} {problem}: taken as this task's stop request; ")
+                f"{problem}: taken as this task's stop request; ")
     if pending is not None and ((pending.job, pending.restart) != (step.job, step.restart)
                                 or 0 < pending.attempt != step.attempt > 0):
-        return None, (f"{requeue_rec.PENDING} is an earlier step's (job {pending.job}, "
-                      f"attempt {pending.attempt}): ignored; ")
+        # The stop record outlives its step (an earlier stop's, then a failure): not this step's,
+        # and nothing to say. An earlier version's requeue.pending went once acted on: one left
+        # is a request a killed batch shell never handled.
+        note = "" if pending.source != requeue_rec.PENDING else (
+            f"{requeue_rec.PENDING} is an earlier step's (job {pending.job}, attempt {pending.attempt}): ignored; ")
+        return None, note
     return pending, ""
 
 

@@ -52,7 +52,7 @@ def act(run_dir: Path, d: Decision, history: RequeueState, target: str, restart:
     from hpc_train import goodput
     goodput.exited(run_dir, goodput.job_start(os.environ))   # every task of this step has exited
     if d.action != "in_place":
-        requeue_rec.remove_pending(run_dir)   # acted on: never taken for a later step's
+        requeue_rec.remove_legacy_pending(run_dir)   # an earlier version's request, acted on
     if d.action == "requeue":
         # Written before the requeue: written after it, the controller's end of this batch step
         # (SIGTERM to every process of it) raced the write and sometimes won, and the requeue

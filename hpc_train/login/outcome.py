@@ -79,11 +79,12 @@ def _failure_line(e: RankError) -> str:
 def _stop_line(rec: StopRecord | None) -> str:
     if rec is None:
         return "stopped (its record is unreadable)"
+    by = stop.said(rec.signal)
     if rec.checkpoint:
-        return f"stopped at step {rec.steps} by {rec.signal}, checkpoint committed"
+        return f"stopped at step {rec.steps} by {by}, checkpoint committed"
     if rec.steps is not None:
-        return f"stopped at step {rec.steps} by {rec.signal}; checkpoints are off: nothing saved"
-    return f"stopped by {rec.signal}; hpc_train saved nothing (the code did not reach a run.step_end after it)"
+        return f"stopped at step {rec.steps} by {by}; checkpoints are off: nothing saved"
+    return f"stopped by {by}; hpc_train saved nothing (the code did not reach a run.step_end after it)"
 
 
 def decide(f: Facts) -> State:

@@ -24,7 +24,7 @@ from typing import Any
 import shlex
 
 from hpc_train import rundir, slurm
-from hpc_train.records.requeue import pending_exists as requested
+from hpc_train.requeue import requested
 from hpc_train.login import nodes, scheduler
 from hpc_train.config import Config, load
 from hpc_train.errors import UsageError

@@ -88,10 +88,17 @@ class StopRequest:
         return self._stopped_at is not None and self._stopped_at <= monotonic_t
 
     @property
-    def name(self) -> str:
+    def signal_name(self) -> str:
+        """The stop's signal in the one form the records and the hook use, ``job.signal``'s and
+        Slurm's (USR2, TERM); ``straggler`` for rank 0's own stop to swap a slow node."""
         if self.swap is not None:
             return "straggler"
-        return signal.Signals(self.signum).name if self.signum else "none"
+        return signal.Signals(self.signum).name.removeprefix("SIG") if self.signum else "none"
+
+    @property
+    def name(self) -> str:
+        """The stop as a log line says it: SIGUSR2, SIGTERM, straggler."""
+        return self.signal_name if self.swap is not None or not self.signum else f"SIG{self.signal_name}"
 
     def _handler(self, signum: int, frame: object) -> None:
         # Async-signal context: assign and return. No I/O, no locks, no raising of our own (the
@@ -396,19 +403,19 @@ def _first(fut):
     return fut.value()[0]
 
 
-def record_stop(job: Any, env: Any, run_dir: Path, stop: StopRequest, step: int | None, checkpoint: bool):
-    """Rank 0 at a stop: the one writer of ``stopped.json``, and of the requeue request under
-    Slurm (``job``: the config's job section). ``step`` is None and ``checkpoint`` False when
+def record_stop(env: Any, run_dir: Path, stop: StopRequest, step: int | None, checkpoint: bool):
+    """Rank 0 at a stop: the one writer of ``stopped.json``, the one stop record, with the
+    requeue request under Slurm in it. ``step`` is None and ``checkpoint`` False when
     the code never acted on the stop (a plain script, or code that never called
     ``run.step_end``): hpc_train saved nothing, and the code resumes from what it saved itself."""
     if env.rank != 0:
         return None
     from hpc_train.records import stop as stop_record
-    line = at = None
+    line = at = request = None
     if env.job_id:
         from hpc_train.requeue import request_for_stop
-        line, at = request_for_stop(job, env, run_dir, step, stop), time.time()
-    rec = stop_record.StopRecord(step, stop.name, stop.received_at, checkpoint,
-                                 time.time() if checkpoint else None, line, at)
+        (line, request), at = request_for_stop(env, step, stop), time.time()
+    rec = stop_record.StopRecord(step, stop.signal_name, stop.received_at, checkpoint,
+                                 time.time() if checkpoint else None, line, at, request)
     stop_record.write(Path(run_dir), rec)
     return rec

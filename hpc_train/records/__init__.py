@@ -9,9 +9,10 @@ through a link). Every other module goes through them; none parses or edits thei
 file                    what                                        owner
 ======================  ==========================================  ============================
 ``result.json``         a finished run (it never trains again)      :mod:`.result`
-``stopped.json``        the last stop: step, signal, checkpoint     :mod:`.stop`
+``stopped.json``        the last stop: step, signal, checkpoint,    :mod:`.stop`
+                        rank 0's request for the batch shell
 ``requeue.json``        requeues and in-place restarts, per cause   :mod:`.requeue`
-``requeue.pending``     rank 0's stop request, for the batch shell  :mod:`.requeue`
+``requeue.pending``     an earlier version's request, still read    :mod:`.requeue`
 ``logs/.heartbeat/*``   each rank's record of its start and end     :mod:`.ranks`
 ``job.json``            the Slurm jobs submitted for the run        :mod:`.jobs`
 ``goodput.json``        where the wall time went                    :mod:`hpc_train.goodput`

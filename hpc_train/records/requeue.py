@@ -1,4 +1,4 @@
-"""``requeue.json`` and ``requeue.pending``: the run's requeues and in-place restarts. No torch.
+"""``requeue.json``, and the stop request as the hook reads it: the run's requeues and in-place restarts. No torch.
 
 ``requeue.json`` is the history the budgets are counted from, across every incarnation of the
 job: one :class:`Requeue` per stop or failure that asked to go back to the queue (``requeued``:
@@ -11,11 +11,12 @@ cause's count is the number of its requeues that went through, so no hand-edited
 count can buy budget, and no count can go negative. (The file still carries ``counts`` for a
 reader's eyes.)
 
-``requeue.pending`` is rank 0's stop request for the batch shell: the signal it got, when, and
-the step it saved; the hook decides what it was (a preemption, the time limit, srun ending the
-ranks after one died). It names the step it came from
-(:class:`~hpc_train.records.ranks.StepId`), so a request a killed batch shell never handled is
-not taken for a later step's.
+:class:`Pending` is rank 0's stop request for the batch shell, as the hook reads it from the
+stop record (``stopped.json``; an earlier version wrote ``requeue.pending``, still read): the
+signal it got, when, and the step it saved; the hook decides what it was (a preemption, the time
+limit, srun ending the ranks after one died). It names the step it came from
+(:class:`~hpc_train.records.ranks.StepId`), so a request a killed batch shell never handled, or
+one a step before this one left, is not taken for this step's.
 
 Only the batch shell's hook (:mod:`hpc_train.login.hook`) changes ``requeue.json``, and only
 through :func:`write` with a state built by the transitions below; rank 0 writes the request.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +34,7 @@ from typing import TypeVar
 from hpc_train import rundir
 from hpc_train.records import io
 from hpc_train.records import fields
+from hpc_train.records import stop as stop_rec
 from hpc_train.records.fields import Bad
 
 NAME = "requeue.json"
@@ -42,7 +43,6 @@ CAUSES = ("preemption", "timeout", "failure")
 RESTART_CAUSES = ("failure", "straggler")   # why a step was started again in the allocation
 BY = ("hpc_train", "outside")
 MAX_CHARGE = 2            # an in-place restart that made no progress counts twice
-_TARGET = re.compile(r"[0-9]{1,18}(_[0-9]{1,18})?")   # a job id, or ARRAYJOB_TASK
 T = TypeVar("T")
 
 
@@ -260,52 +260,69 @@ def write(run_dir: Path, state: RequeueState, warn: Callable[[str], None] | None
     rundir.write_atomic(path(run_dir), json.dumps(rec, indent=2))
 
 
-# -- requeue.pending -----------------------------------------------------------------------------
+# -- the stop request ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Pending:
-    """Rank 0's request after a stop: the batch shell's hook decides what follows."""
+    """Rank 0's request after a stop, as the batch shell's hook reads it: the stop record's
+    (``stopped.json``, :class:`hpc_train.records.stop.Request`) or, in a run directory of an
+    earlier version, ``requeue.pending``'s. The hook decides what follows."""
 
     target: str               # this job as scontrol names it
     step: int | None          # the checkpoint's step (None: the code saved nothing of hpc_train's)
-    signal: str               # the signal's name, e.g. USR2, TERM
+    signal: str               # the signal's name as job.signal names it, e.g. USR2, TERM
     received_at: float | None
     job: str = ""             # the step that asked (see hpc_train.records.ranks.StepId)
     restart: int = 0
     attempt: int = 0
     swap: str | None = None   # a straggler stop: the slow rank's node, to swap for a spare
     swap_rank: int | None = None
+    source: str = stop_rec.NAME   # the record it was read from (PENDING: an earlier version's)
 
 
 def pending_path(run_dir: Path) -> Path:
+    """``requeue.pending``: where an earlier version kept the request (read, and removed once acted on)."""
     return Path(run_dir) / PENDING
 
 
-def read_pending(run_dir: Path) -> tuple[Pending | None, str | None]:
-    """(request, None); (None, None) when there is none; (None, what is wrong) when damaged."""
-    raw, problem = io.read_json(pending_path(run_dir))
+def read_pending(run_dir: Path, since: float = 0.0) -> tuple[Pending | None, str | None]:
+    """(request, None); (None, None) when there is none; (None, what is wrong, naming the file)
+    when damaged: the stop record's request, else an earlier version's ``requeue.pending``.
+    Which step it is of is the reader's question (its ``job``, ``restart`` and ``attempt``). A
+    damaged stop record, which outlives its step, counts only when written at or after ``since``
+    (the batch shell's start): an older one is no request of this job's."""
+    rec, problem = stop_rec.read(run_dir)
+    legacy = pending_path(run_dir)
+    if (rec is None or rec.request is None) and (legacy.exists() or legacy.is_symlink()):
+        return _read_legacy(legacy)
+    if problem is not None:
+        written = stop_rec.written_at(run_dir)
+        return (None, None) if written is not None and written < since else (None, f"{stop_rec.NAME} {problem}")
+    if rec is None or rec.request is None:
+        return None, None
+    r = rec.request
+    return Pending(r.target, rec.steps, rec.signal, rec.received_at, r.job, r.restart, r.attempt, r.swap,
+                   r.swap_rank), None
+
+
+def _read_legacy(path: Path) -> tuple[Pending | None, str | None]:
+    raw, problem = io.read_json(path)
     if raw is None:
-        return None, problem
+        return None, problem and f"{PENDING} {problem}"
     try:
         target = fields.text(raw, "target")
-        if not _TARGET.fullmatch(target):
+        if not stop_rec.JOB_TARGET.fullmatch(target):
             raise Bad(f"target is {target!r}, not a Slurm job id")
         return Pending(target, fields.opt_count(raw, "step"),
                        # A request left by a step before the writer stored job.signal's form
                        # (SIGUSR2) means the same signal.
                        fields.text(raw, "signal", "").removeprefix("SIG"), fields.opt_number(raw, "received_at"),
                        fields.text(raw, "job", ""), fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0),
-                       fields.opt_text(raw, "swap"), fields.opt_count(raw, "swap_rank")), None
+                       fields.opt_text(raw, "swap"), fields.opt_count(raw, "swap_rank"), PENDING), None
     except Bad as e:
-        return None, str(e)
+        return None, f"{PENDING} {e}"
 
 
-def write_pending(run_dir: Path, p: Pending) -> None:
-    rundir.write_atomic(pending_path(run_dir), json.dumps(p.__dict__))
-
-
-def remove_pending(run_dir: Path) -> None:
+def remove_legacy_pending(run_dir: Path) -> None:
+    """An earlier version's ``requeue.pending``, once acted on: never taken for a later step's.
+    (The stop record's request stays: it names its step.)"""
     rundir.remove_record(pending_path(run_dir))
-
-
-def pending_exists(run_dir: Path) -> bool:
-    return pending_path(run_dir).exists() or pending_path(run_dir).is_symlink()

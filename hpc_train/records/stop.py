@@ -1,15 +1,24 @@
-"""``stopped.json``: the last stop of the run, written by rank 0. No torch here.
+"""``stopped.json``: the last stop of the run, written by rank 0: the one stop record. No torch here.
 
 What it says: the step saved at the stop (None: the code never acted on it, so hpc_train saved
 nothing and the code resumes from what it saved itself), the signal and when it came, whether a
-checkpoint was committed and when, and under Slurm the line about the requeue that rank 0 asked
-the batch shell for. A finished run keeps none (:func:`remove`): a finished run never looks
-stopped.
+checkpoint was committed and when, and under Slurm rank 0's request to the batch shell's hook
+(:class:`Request`: which job to requeue, which step asked, a straggler's node to swap) with the
+line about it. The hook decides what follows from it (:mod:`hpc_train.login.gather` reads it
+through :func:`hpc_train.records.requeue.read_pending`); a request of an earlier step is told
+apart by the step it names, so nothing removes it. A finished run keeps none (:func:`remove`):
+a finished run never looks stopped.
+
+The signal is held in one form from the handler to the hook: Slurm's and ``job.signal``'s
+(``USR2``, ``TERM``; ``straggler`` for rank 0's own stop to swap a slow node). A record of an
+earlier version held Python's (``SIGUSR2``), read as the same signal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,17 +28,37 @@ from hpc_train.records import fields
 from hpc_train.records.fields import Bad
 
 NAME = "stopped.json"
+JOB_TARGET = re.compile(r"[0-9]{1,18}(_[0-9]{1,18})?")   # a job id, or ARRAYJOB_TASK
+
+
+@dataclass(frozen=True)
+class Request:
+    """Rank 0's request to the batch shell's hook after a stop (Slurm only)."""
+
+    target: str               # this job as scontrol names it (an array task: ARRAYJOB_TASK)
+    job: str = ""             # the step that asked (see hpc_train.records.ranks.StepId)
+    restart: int = 0
+    attempt: int = 0
+    swap: str | None = None   # a straggler stop: the slow rank's node, to swap for a spare
+    swap_rank: int | None = None
 
 
 @dataclass(frozen=True)
 class StopRecord:
     steps: int | None                  # the step saved at the stop; None: nothing saved by hpc_train
-    signal: str                        # e.g. USR2, TERM, INT
+    signal: str                        # USR2, TERM, INT, straggler (one form: see the module's docstring)
     received_at: float | None
     checkpoint: bool                   # a checkpoint was committed at the stop
     committed_at: float | None = None
     requeue: str | None = None         # rank 0's line about the requeue it asked for (Slurm)
     requeue_requested_at: float | None = None
+    request: Request | None = None     # under Slurm: what the batch shell's hook decides on
+
+
+def said(signal: str) -> str:
+    """A record's signal as a line says it: SIGUSR2 for USR2; ``straggler`` as it is."""
+    bare = signal.removeprefix("SIG")
+    return f"SIG{bare}" if bare.isalnum() and bare.isupper() else signal
 
 
 def path(run_dir: Path) -> Path:
@@ -42,19 +71,33 @@ def read(run_dir: Path) -> tuple[StopRecord | None, str | None]:
     if raw is None:
         return None, problem
     try:
-        return StopRecord(fields.opt_count(raw, "steps"), fields.text(raw, "stop_signal", "a signal"),
+        return StopRecord(fields.opt_count(raw, "steps"),
+                          fields.text(raw, "stop_signal", "a signal").removeprefix("SIG"),
                           fields.opt_number(raw, "stop_received_at"), fields.flag(raw, "checkpoint"),
                           fields.opt_number(raw, "checkpoint_committed_at"), fields.opt_text(raw, "requeue"),
-                          fields.opt_number(raw, "requeue_requested_at")), None
+                          fields.opt_number(raw, "requeue_requested_at"), _request(raw.get("request"))), None
     except Bad as e:
         return None, str(e)
+
+
+def _request(raw: object) -> Request | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise Bad(f"request is {raw!r:.40}, not an object")
+    target = fields.text(raw, "target")
+    if not JOB_TARGET.fullmatch(target):
+        raise Bad(f"request.target is {target!r:.40}, not a Slurm job id")
+    return Request(target, fields.text(raw, "job", ""), fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0),
+                   fields.opt_text(raw, "swap"), fields.opt_count(raw, "swap_rank"))
 
 
 def write(run_dir: Path, rec: StopRecord) -> None:
     rundir.write_atomic(path(run_dir), json.dumps({
         "stopped": True, "steps": rec.steps, "stop_signal": rec.signal, "stop_received_at": rec.received_at,
         "checkpoint": rec.checkpoint, "checkpoint_committed_at": rec.committed_at, "requeue": rec.requeue,
-        "requeue_requested_at": rec.requeue_requested_at}, indent=2))
+        "requeue_requested_at": rec.requeue_requested_at,
+        "request": None if rec.request is None else dataclasses.asdict(rec.request)}, indent=2))
 
 
 def remove(run_dir: Path) -> None:

@@ -220,7 +220,7 @@ class Trainer:
     def _summary(self, stopped: bool, global_batch: int) -> dict[str, Any]:
         """What ``fit`` returns (and ``Run.finish`` records) about this run, stopped or not."""
         p, run = self.progress, self.run
-        return {"stopped": stopped, "stop_signal": run.stop.name if stopped else None,
+        return {"stopped": stopped, "stop_signal": run.stop.signal_name if stopped else None,
                 "train_loss": p.last_loss, "test_accuracy": p.last_eval_acc, "test_loss": p.last_eval_loss,
                 "steps": self.state["step"], "epochs": self.loader.epochs_done,
                 "wall_seconds": time.time() - self.t_start, "world_size": run.world_size,

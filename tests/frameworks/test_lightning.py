@@ -76,7 +76,7 @@ def test_stopped_at_an_epoch_end_saves_through_lightning_and_resumes_bitwise(str
     assert (saved["epoch"], saved["global_step"]) == (1, 14)      # one whole epoch, none begun
     assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 10
     rec = json.loads((tmp_path / "run" / "stopped.json").read_text())
-    assert rec["stop_signal"] == "SIGTERM" and not (tmp_path / "run" / "result.json").exists()
+    assert rec["stop_signal"] == "TERM" and not (tmp_path / "run" / "result.json").exists()
 
     pause.unlink()
     p = hpc(*cmd, timeout=300)                                     # the same command

@@ -193,7 +193,7 @@ def test_the_job_signal_reaches_an_unmodified_script_as_sigterm(tmp_path):
         log = (rd / "logs" / f"rank-{r}.log").read_text()
         assert f"SIGUSR2 at start: {at_start}" in log and "saved at step" in log, log
         assert "SIGUSR2 received: passing SIGTERM to the script" in log, log
-    assert json.loads((rd / "stopped.json").read_text())["stop_signal"] == "SIGUSR2"
+    assert json.loads((rd / "stopped.json").read_text())["stop_signal"] == "USR2"
 
 
 def test_passthrough_leaves_the_job_signal_to_the_script(tmp_path):
@@ -238,7 +238,7 @@ def test_a_stop_that_came_before_the_script_started_does_not_start_it(tmp_path, 
     assert out == {"stopped": True, "exit_code": None}
     assert not (tmp_path / "started").exists()
     rec = json.loads((rd / "stopped.json").read_text())
-    assert rec["stop_signal"] == "SIGUSR2" and rec["checkpoint"] is False and rec["steps"] is None, rec
+    assert rec["stop_signal"] == "USR2" and rec["checkpoint"] is False and rec["steps"] is None, rec
     assert "SIGUSR2 came before the script started: not starting it" in caplog.text
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -139,6 +140,70 @@ def test_a_stop_request_whose_target_is_not_a_string_requeues_this_job_without_a
     assert job.returncode == 0, job.stderr
 
 
+_WRITE_STOP = (f"{shlex.quote(sys.executable)} -c \"import sys; from pathlib import Path; "
+               "from hpc_train.records import ranks, stop; s = ranks.StepId.from_env(); "
+               "stop.write(Path(sys.argv[1]), stop.StopRecord(40, 'USR2', None, True, "
+               "request=stop.Request(s.job, s.job, s.restart, s.attempt)))\" \"$RUN_DIR\"; ")
+
+
+def test_the_stop_record_s_request_decides_its_own_step_and_not_the_next_incarnation_s(tmp_path):
+    """One stop record: rank 0's request rides in stopped.json (no requeue.pending), names its
+    step, and stays. The preemption's step is requeued from it; the next incarnation, which
+    fails, is restarted in place: the old request, still there, is not taken for its own."""
+    script, rd = _script(tmp_path, "job.nodes=2")
+    _rank(rd, 0, "node1", 2, ended="stopped")
+    _rank(rd, 1, "node2", 2, ended="stopped")
+    job = _job(tmp_path, script, statuses=[0], each=f'[ "$n" = 1 ] && {_WRITE_STOP}')
+    assert _calls(tmp_path, "scontrol") == [f"requeue {JOB}"], job.stderr
+    assert _requeue(rd)["counts"]["preemption"] == 1, _requeue(rd)
+    assert not (rd / "requeue.pending").exists()
+    assert json.loads((rd / "stopped.json").read_text())["request"]["restart"] == 0
+
+    _rank(rd, 0, "node1", 2, restart=1)
+    _rank(rd, 1, "node2", 2, restart=1)
+    again = _job(tmp_path, script, statuses=[1], restart=1)
+    assert _calls(tmp_path, "scontrol") == [], again.stderr
+    assert len(_calls(tmp_path, "srun")) == 2, again.stderr          # restarted in place, then finished
+    assert _requeue(rd)["counts"]["preemption"] == 1 and len(_requeue(rd)["in_place"]) == 1, _requeue(rd)
+    assert "earlier step" not in _hook_lines(again), again.stderr     # an old stop record is no news
+
+
+@pytest.mark.parametrize("written", ["during the job", "before it"])
+def test_a_damaged_stop_record_is_a_request_only_when_this_job_wrote_it(tmp_path, written):
+    """Damaged by outside hands, the stop record's request is unknown: written during this job, it
+    exists because a stop asked for a requeue, so this job is requeued; older than the batch
+    shell, it is an earlier job's, and a step that ended cleanly asks for nothing."""
+    script, rd = _script(tmp_path, "job.nodes=2")
+    _rank(rd, 0, "node1", 2, ended="stopped")
+    _rank(rd, 1, "node2", 2, ended="stopped")
+    damage = f"echo '{{\"stopped\": true, \"request\": 5}}' > \"$RUN_DIR/stopped.json\"; "
+    if written == "before it":
+        (rd / "stopped.json").write_text('{"stopped": true, "request": 5}')
+        os.utime(rd / "stopped.json", (time.time() - 3600, time.time() - 3600))
+    job = _job(tmp_path, script, statuses=[0], each=f'[ "$n" = 1 ] && {damage}' if written != "before it" else "")
+    _no_traceback(job)
+    if written == "during the job":
+        assert _calls(tmp_path, "scontrol") == [f"requeue {JOB}"], job.stderr
+        assert "stopped.json request is 5, not an object: taken as this task's stop request" in job.stderr, job.stderr
+    else:
+        assert _calls(tmp_path, "scontrol") == [] and len(_calls(tmp_path, "srun")) == 1, job.stderr
+        assert "no requeue requested" in _hook_lines(job), job.stderr
+
+
+def test_a_request_an_earlier_version_left_in_requeue_pending_is_still_acted_on_and_removed(tmp_path):
+    """A run directory of an earlier version: the request in requeue.pending, beside a stop record
+    without one. Acted on as before, and removed once acted on (it names no later step)."""
+    script, rd = _script(tmp_path, "job.nodes=2")
+    _rank(rd, 0, "node1", 2, ended="stopped")
+    _rank(rd, 1, "node2", 2, ended="stopped")
+    _stopped(rd, "SIGUSR2")       # the earlier version's form of the signal
+    _pending(rd, "preemption", "SIGUSR2")
+    job = _job(tmp_path, script, statuses=[0])
+    assert _calls(tmp_path, "scontrol") == [f"requeue {JOB}"], job.stderr
+    assert _requeue(rd)["counts"]["preemption"] == 1, _requeue(rd)
+    assert not (rd / "requeue.pending").exists()
+
+
 def test_a_rank_that_died_before_writing_anything_is_a_failure_not_a_preemption(tmp_path):
     """Rank 1 died before its record existed (its interpreter failed at start); srun's SIGTERM
     made rank 0 stop and ask for a requeue. That is rank 1's failure: restarted in place. Taken
@@ -170,7 +235,7 @@ def test_a_time_limit_stop_is_requeued_even_when_a_rank_dies_at_the_same_moment(
 
 def test_a_preemption_with_a_rank_dying_at_the_same_moment_is_requeued_from_the_request_a_step_leaves(
         tmp_path, monkeypatch):
-    """Rank 0's request as its own writer leaves it (requeue.request_for_stop, after a real
+    """Rank 0's request as its own writer leaves it (stops.record_stop, after a real
     StopRequest got the job's signal), not as laid down by hand: the preemption's USR2 reached
     every rank and rank 1 died during the stop. It is still the preemption, requeued once, not
     a failure restarted in place (the writer once stored "SIGUSR2", which never equals
@@ -178,8 +243,7 @@ def test_a_preemption_with_a_rank_dying_at_the_same_moment_is_requeued_from_the_
     import signal
     from types import SimpleNamespace
 
-    from hpc_train import requeue
-    from hpc_train.node.stops import StopRequest
+    from hpc_train.node.stops import StopRequest, record_stop
     from hpc_train import rundir
     script, rd = _script(tmp_path, "job.nodes=2")
     _rank(rd, 0, "node1", 2, ended="stopped")
@@ -189,7 +253,7 @@ def test_a_preemption_with_a_rank_dying_at_the_same_moment_is_requeued_from_the_
         monkeypatch.setenv(k, v)
     stop = StopRequest()
     stop._record(signal.SIGUSR2)                    # what its handler records when the signal comes
-    requeue.request_for_stop(None, SimpleNamespace(requeue_target=JOB), rd, 40, stop)
+    record_stop(SimpleNamespace(rank=0, job_id=JOB, requeue_target=JOB), rd, stop, 40, True)
     job = _job(tmp_path, script, statuses=[1])
     assert _calls(tmp_path, "scontrol") == [f"requeue {JOB}"], job.stderr
     assert len(_calls(tmp_path, "srun")) == 1, job.stderr

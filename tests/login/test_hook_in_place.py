@@ -112,10 +112,10 @@ def test_a_rank_that_died_is_a_failure_even_when_the_others_took_srun_s_sigterm_
     The fake srun leaves the records a real step leaves, through the functions the ranks call:
     both ranks' records (rank 0's saying it stopped) and rank 0's stop request."""
     script, rd = _script(tmp_path, "job.nodes=2")
-    records = ("import sys; from pathlib import Path; from hpc_train.records import ranks, requeue; "
+    records = ("import sys; from pathlib import Path; from hpc_train.records import ranks, stop; "
                "rd = Path(sys.argv[1]); ranks.begin(rd, 0, 2); ranks.begin(rd, 1, 2); ranks.say(rd, 0, ended='stopped'); "
                "s = ranks.StepId.from_env(); "
-               "requeue.write_pending(rd, requeue.Pending('7', 0, 'TERM', None, s.job, s.restart, s.attempt))")
+               "stop.write(rd, stop.StopRecord(0, 'TERM', None, False, request=stop.Request('7', s.job, s.restart, s.attempt)))")
     first_call = f'{shlex.quote(sys.executable)} -c "{records}" "$RUN_DIR"; return 1; '
     job = _job(tmp_path, script, fails=0, first=first_call, nodes="node[1-2]")
     assert job.returncode == 0, job.stderr
@@ -123,7 +123,10 @@ def test_a_rank_that_died_is_a_failure_even_when_the_others_took_srun_s_sigterm_
     assert "not a stop: rank 1 failed and srun ended the other ranks" in job.stderr, job.stderr
     rec = json.loads((rd / "requeue.json").read_text())
     assert rec["counts"]["preemption"] == 0 and rec["events"] == [] and len(rec["in_place"]) == 1, rec
-    assert not (rd / "requeue.pending").exists()
+    # The request stays in the stop record, naming the first step: the restarted step's hook
+    # (which ended with 0 and no requeue above) did not take it for its own.
+    from hpc_train.records import requeue
+    assert requeue.read_pending(rd)[0].attempt == 1
 
 
 # -- a lost node (job.spare_nodes, job.min_nodes): the nodes of the next step ----------------

@@ -115,7 +115,7 @@ def test_own_handler_is_called_with_the_stop_and_given_back(sig, tmp_path):
     assert called == ([] if sig == "INT" else [f"user handler: SIG{sig}"]), text[-3000:]
     assert "KeyboardInterrupt" not in text, text[-3000:]
     rec = json.loads((rd / "stopped.json").read_text())
-    assert rec["stop_signal"] == f"SIG{sig}" and rec["checkpoint"] is True, rec
+    assert rec["stop_signal"] == sig and rec["checkpoint"] is True, rec
     assert "handlers after close: TERM=mine INT=default_int_handler USR2=mine" in text, text[-3000:]
 
 

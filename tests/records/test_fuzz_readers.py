@@ -29,7 +29,8 @@ VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5) | st.di
                                                                                            max_size=6), max_leaves=30)
 KEYS = ["steps", "stop_signal", "stop_received_at", "checkpoint", "events", "in_place", "requeued_at", "counts",
         "target", "step", "signal", "received_at", "rank", "pid", "world_size", "started", "job", "job_id",
-        "submitted", "time", "key", "cause", "final", "segments", "config_hash", "world", "files", "ended"]
+        "submitted", "time", "key", "cause", "final", "segments", "config_hash", "world", "files", "ended",
+        "request", "restart", "attempt", "swap", "swap_rank"]
 # Objects whose keys are the records' own, with values of any kind: they reach each field's check.
 RECORDS = st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=12)
 
@@ -41,6 +42,7 @@ def _json(v: object) -> bytes:
 CONTENT = st.one_of(
     st.binary(max_size=300),
     RECORDS.map(_json),
+    RECORDS.map(lambda r: _json({"stop_signal": "USR2", "request": r})),    # the stop record's request
     VALUES.map(_json),
     RECORDS.map(_json).flatmap(lambda b: st.integers(0, max(0, len(b) - 1)).map(lambda n: b[:n])),   # truncated
     st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")),
@@ -70,7 +72,7 @@ def _read_metrics(rd: Path) -> object:
 READERS: dict[str, tuple[Callable[[Path], Path], Callable[[Path], object]]] = {
     "requeue.json": (requeue.path, requeue.read),
     "requeue.pending": (requeue.pending_path, requeue.read_pending),
-    "stopped.json": (stop.path, lambda rd: (stop.read(rd), stop.written_since(rd, 0.0))),
+    "stopped.json": (stop.path, lambda rd: (stop.read(rd), stop.written_since(rd, 0.0), requeue.read_pending(rd))),
     "result.json": (result.path, lambda rd: (result.read(rd), result.finished(rd))),
     "job.json": (jobs.path, lambda rd: (jobs.read(rd), jobs.first_submit(rd))),
     "rank record": (lambda rd: ranks.path(rd, 0),

@@ -81,7 +81,7 @@ def test_unaware_script_is_stopped_and_resumes_from_its_own_snapshot(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, show(p)
     assert "saved nothing this time; run the same command to resume" in p.stderr, show(p)
     rec = json.loads((rd / "stopped.json").read_text())
-    assert rec["checkpoint"] is False and rec["stop_signal"] == "SIGTERM"
+    assert rec["checkpoint"] is False and rec["stop_signal"] == "TERM"
     assert not (rd / "result.json").exists()       # a stopped script is not finished
     p = hpc(*cmd)
     assert p.returncode == 0, show(p)
