@@ -3,8 +3,10 @@
 ``hpc_train.init()`` in a user's ``python train.py``, ``torchrun train.py`` or plain ``srun
 python train.py`` and the worker of ``run``/``submit``/``sbatch`` build their Run the same way:
 :mod:`hpc_train.node.session` (stop signals, environment, the run directory's lock, a finished
-run refused, heartbeat) -> process group -> :class:`~hpc_train.run.Run`. ``Run.close()`` is the
-one teardown; outside hpc_train's launchers ``init()`` registers it for the process's exit.
+run refused, heartbeat) -> process group -> :class:`~hpc_train.run.Run`. :func:`end` is the one
+teardown, on every path (outside hpc_train's launchers ``init()`` registers it for the
+process's exit); :func:`exit_done` and :func:`exit_now` are the ways out of hpc_train's own
+processes, and of a user's program after a stop.
 
 Under hpc_train's launchers the worker builds the Run before the user's code starts, and
 ``init()`` returns that one.
@@ -110,12 +112,12 @@ def _group_and_verdict(s: session_mod.Session) -> torch.device:
         problem = _prepare(s)
         refused = _rank0_refuses(problem, s.env.world_size, device)
     except BaseException:
-        s.close()   # no Run to close it: the lock, and the stop signals' handlers given back
+        end(s, failed=True)   # no Run to close: the lock, and the stop signals' handlers given back
         raise
     if refused:
         if problem:
             print(problem, file=sys.stderr)
-        s.close()
+        end(s, failed=False)
         if s.policy.owns_group:
             group.shutdown(True)
         raise SystemExit(2)
@@ -229,6 +231,67 @@ def how_to_resume(source: str) -> str:
     return shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
 
 
+def end(s: session_mod.Session, run: Run | None = None, *, failed: bool, finished: bool = False,
+        record_goodput: bool = False) -> None:
+    """The one teardown of a rank's life, on every path: the worker's trainer, code or supervised
+    script, ``init()``'s exit, a refusal or a failure before any Run. As the entry point's policy
+    says (:mod:`hpc_train.node.policy`), first what a late stop signal does: hpc_train's own
+    process, its work done, keeps its handlers to its ``os._exit`` and takes no signal for a stop
+    (``StopRequest.ignore_further``); a user's program that finished ignores SIGTERM and the
+    job's signal while it exits (``StopRequest.leaving_finished``). Then the Run's close (saves
+    waited for, reporters, loaders, the local tier, the process group this start-up made) and the
+    run directory's release (lock, heartbeat, a stale stop record; a user's program gets its
+    signal handlers back), or with no Run the session's alone (``finished``: this run just
+    finished; ``record_goodput``: a supervised script's segment). Idempotent. ``failed``: the
+    work raised, so peers may sit in a collective of it (no shutdown barrier), and nothing of a
+    late signal changes."""
+    if s.policy.own_process:
+        if not failed:
+            s.stop.ignore_further()
+    elif run is not None and run.finished:
+        s.stop.leaving_finished()   # a late SIGTERM must not make a finished run's exit 143
+    if run is not None:
+        run.close(failed=failed)
+    else:
+        s.close(finished=finished, record_goodput=record_goodput)
+
+
+def release_group() -> None:
+    """Before a normal exit of a worker's process: release the process group that the worker
+    left for ``os._exit`` (the policy's ``leaving``; a no-op where torch was never imported)."""
+    if "hpc_train.node.group" in sys.modules:
+        sys.modules["hpc_train.node.group"].release()
+
+
+def exit_done(code: int) -> None:
+    """Leave after the work is done and every file is written: the process's exit handlers run
+    (the user's included: a logger's atexit finish), then the interpreter's teardown is skipped.
+    With torch, torch._dynamo (DDP imports it) and DCP loaded, that teardown alone takes about a
+    second per process, and on a stop it sits between the committed checkpoint and the requeue.
+    Returns instead (a normal, slower exit follows) while a non-daemon thread of the user's code
+    still runs: a normal exit waits for it, and leaving now would cut it off."""
+    import atexit
+    import threading
+    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        release_group()   # the normal exit needs it released first
+        return
+    atexit._run_exitfuncs()   # what a normal exit runs first (logging.shutdown among them)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Leave at once after a failure, skipping interpreter teardown.
+
+    A rank whose peers sit in a collective can hang at exit inside the gloo group's destructor;
+    it then never exits, so neither the local launcher nor ``srun --kill-on-bad-exit`` learns
+    of the failure until the collective timeout. The error is already logged and written.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _at_exit(run: Run) -> None:
     """The exit of a process whose Run ``init()`` built: the one teardown, then, after a stop,
     a non-zero exit code, so a shell, torchrun and Slurm see that the run did not finish (a
@@ -244,17 +307,12 @@ def _at_exit(run: Run) -> None:
     Hazard: leaving through ``os._exit`` skips exit handlers registered before ``init()``;
     those registered after it (the user's, usually) have run already, and logging is flushed here."""
     failed = hasattr(sys, "last_value")   # set when an uncaught exception ends the interpreter
-    if run.finished:
-        run.stop.leaving_finished()   # a late SIGTERM must not make a finished run's exit 143
     try:
-        run.close(failed=failed)
+        end(run._session, run, failed=failed)
     finally:
         if run.stopped and not failed:
             if run.is_main and run._session.policy.resume_hint:
                 print(f"hpc_train: stopped by {run.stop.name} at step {run.stop_step} "
                       f"({'checkpoint saved' if run.config.checkpoint.enabled else 'nothing saved: checkpoints are off'}); "
                       f"resume with: {how_to_resume(run.env.source)}", file=sys.stderr)
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(run.exit_code)
+            exit_now(run.exit_code)

@@ -20,7 +20,7 @@ from typing import Any
 
 from hpc_train import config as config_mod
 from hpc_train import rundir
-from hpc_train import goodput, threads
+from hpc_train import goodput, lifecycle, threads
 from hpc_train.launch import standby
 from hpc_train.node import environment, session, watchdog
 from hpc_train.node.policy import Entry, policy
@@ -36,7 +36,7 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     """Run this process's share of the job: the built-in trainer, ``train.fn``, ``target(*args,
     **kwargs)`` or, under supervision, ``train.script``. Returns the trainer's result dict (the
     same on every rank) or the callable's return value. The caller ends the process through
-    :func:`exit_done` or :func:`exit_now` (the policy's ``leaving``: the process group is left
+    :func:`hpc_train.lifecycle.exit_done` or ``exit_now`` (the policy's ``leaving``: the process group is left
     for that exit to release, see :func:`hpc_train.node.group.shutdown`). ``prepared``: a
     launcher prepared the run directory; else (a plain sbatch script's job step, whose config
     travels in the script) rank 0 runs the pre-launch sequence before anything trains."""
@@ -49,13 +49,16 @@ def run_worker(cfg: Config | dict, run_dir: str | os.PathLike | None = None,
     if waited is not None:
         log.info("rank %d: this step's process was a standby, started %.1f s before it (job.standby)",
                  s.env.rank, waited)
+    failed = True
     try:
-        return _live(s, entry, target, args, kwargs or {})
+        out = _live(s, entry, target, args, kwargs or {})
+        failed = False
+        return out
     except BaseException as e:
         _report(e, s)
         raise
     finally:
-        s.close()   # a no-op where the Run or the script's end closed it already
+        lifecycle.end(s, failed=failed)   # the session alone: a no-op where the Run's end closed it
 
 
 def _entry(cfg: Config, target: Callable[..., Any] | None) -> Entry:
@@ -83,7 +86,7 @@ def _live(s: session.Session, entry: Entry, target, args: tuple, kwargs: dict) -
     if entry is Entry.SUPERVISOR:
         from hpc_train.launch.supervise import supervise
         out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, env, rd, s.stop, s.beats)
-        s.close(finished=not out.get("stopped"), record_goodput=True)
+        lifecycle.end(s, failed=False, finished=not out.get("stopped"), record_goodput=True)
         return out
     goodput.pause_gc()   # until start-up is over: Run.restore, or just before the user's code
     out = _run(s, target, args, kwargs)
@@ -166,14 +169,13 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict) -> Any:
             # The code returned without run.finish(): it is done all the same.
             run.finish(out if isinstance(out, dict) else {"result": out})
         clean = True
-        # The work is done: a stop signal now (the time limit's, a late preemption) must not
-        # kill this process during teardown, where finish() gave the default handlers back.
-        stop.ignore_further()
         return out
     finally:
         goodput.resume_gc()   # a no-op once start-up ended; after an early return or a failure, not left off
         try:
-            run.close(failed=not clean or interrupted)
+            # The work done, a stop signal now (the time limit's, a late preemption) must not
+            # kill this process during teardown, where finish() gave the default handlers back.
+            lifecycle.end(s, run, failed=not clean or interrupted)
         finally:
             lifecycle.forget()
 
@@ -241,45 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_worker(cfg, rd, prepared=not outside)
     except BaseException as e:  # noqa: BLE001 - the error is already in the rank's log and error file
-        exit_now(130 if isinstance(e, KeyboardInterrupt) else 2 if isinstance(e, UsageError) else 1)
-    exit_done(0)   # a stop is a clean exit too: the launcher or the batch shell decides what follows
+        lifecycle.exit_now(130 if isinstance(e, KeyboardInterrupt) else 2 if isinstance(e, UsageError) else 1)
+    lifecycle.exit_done(0)   # a stop is a clean exit too: the launcher or the batch shell decides what follows
     return 0
-
-
-def release_group() -> None:
-    """Before a normal exit of a worker's process: release the process group that the worker
-    left for ``os._exit`` (the policy's ``leaving``; a no-op where torch was never imported)."""
-    if "hpc_train.node.group" in sys.modules:
-        sys.modules["hpc_train.node.group"].release()
-
-
-def exit_done(code: int) -> None:
-    """Leave after the work is done and every file is written: the process's exit handlers run
-    (the user's included: a logger's atexit finish), then the interpreter's teardown is skipped.
-    With torch, torch._dynamo (DDP imports it) and DCP loaded, that teardown alone takes about a
-    second per process, and on a stop it sits between the committed checkpoint and the requeue.
-    Returns instead (a normal, slower exit follows) while a non-daemon thread of the user's code
-    still runs: a normal exit waits for it, and leaving now would cut it off."""
-    import atexit
-    import threading
-    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
-        release_group()   # the normal exit needs it released first
-        return
-    atexit._run_exitfuncs()   # what a normal exit runs first (logging.shutdown among them)
-    exit_now(code)
-
-
-def exit_now(code: int) -> None:
-    """Leave at once after a failure, skipping interpreter teardown.
-
-    A rank whose peers sit in a collective can hang at exit inside the gloo group's destructor;
-    it then never exits, so neither the local launcher nor ``srun --kill-on-bad-exit`` learns
-    of the failure until the collective timeout. The error is already logged and written.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -44,9 +44,9 @@ class SlurmEntry:
         # The node side is started by name, as a batch script starts it with `python -m
         # hpc_train worker`: the login side that pickled this entry never imports it.
         import importlib
-        worker = importlib.import_module("hpc_train.launch.worker")
-        exit_done, exit_now, release_group, run_worker = (worker.exit_done, worker.exit_now,
-                                                          worker.release_group, worker.run_worker)
+        worker, lifecycle = importlib.import_module("hpc_train.launch.worker"), importlib.import_module("hpc_train.lifecycle")
+        exit_done, exit_now, release_group, run_worker = (lifecycle.exit_done, lifecycle.exit_now,
+                                                          lifecycle.release_group, worker.run_worker)
         os.environ.setdefault(rundir.RESUME_ENV, self.resume)
         # submitit installed its own handler for its signal (rank-0-only checkpoint, then exit).
         # One component owns the stop signals: hpc_train's worker installs the job's; any other

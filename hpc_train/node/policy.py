@@ -10,7 +10,7 @@ lifecycle looks up ``session.policy.<field>``; a test reads this table as it rea
 The entry points:
 
 * ``TRAINER``: ``python -m hpc_train worker`` (``run``, ``submit``, ``sbatch``) running the
-  built-in trainer. hpc_train's own process, ended by :func:`hpc_train.launch.worker.exit_done`.
+  built-in trainer. hpc_train's own process, ended by :func:`hpc_train.lifecycle.exit_done`.
 * ``CODE``: the same worker running ``train.fn`` or a submitted callable: the user's code may
   go on after ``finish()``, so the handlers come back there.
 * ``SUPERVISOR``: the same worker for a ``--script``: no torch, no group, no ``Run``; it beats for
@@ -57,7 +57,7 @@ class ExitPolicy:
     prelaunch: bool
     # This path made the process group, so its teardown ends it.
     owns_group: bool
-    # The process ends through hpc_train's os._exit (worker.exit_done/exit_now): the group is
+    # The process ends through hpc_train's os._exit (lifecycle.exit_done/exit_now): the group is
     # left for that exit to release instead of destroyed (see hpc_train.node.group.shutdown).
     leaving: bool
     # finish() gives the program's signal handlers back (code of the user's may follow it).

@@ -212,7 +212,7 @@ class StopRequest:
         them back, so a late one neither ends the teardown (an exit code the launcher would take
         for a failure) nor, after a finish, counts as a stop; the job's signal is ignored for
         good (SIG_IGN survives interpreter teardown, a Python handler does not). The process
-        then leaves through os._exit (worker.exit_done), or through submitit's exit."""
+        then leaves through os._exit (lifecycle.exit_done), or through submitit's exit."""
         self._quiet()
         if threading.current_thread() is threading.main_thread():
             for sig in self._found:

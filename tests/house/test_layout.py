@@ -314,6 +314,53 @@ def test_a_rank_s_entry_points_read_as_their_phases(path, name):
     assert lines <= 25, f"{name} is {lines} lines"
 
 
+# The one teardown (lifecycle.end) and the one way out (lifecycle.exit_now). Besides them, only
+# what closes itself (Run.close closes its session) and the watchers that end a failing rank
+# from a thread (a frozen peer named, a hung step; a standby never given its go) leave a process.
+TEARDOWN_CALLS = {"leaving_finished": "a program's finished exit", "ignore_further": "a worker's work done",
+                  "close": "a Run's or a session's close", "_exit": "os._exit"}
+TEARDOWN_ELSEWHERE = {("run.py", "close"), ("run.py", "__exit__"), ("node/watchdog.py", "watch_slurm_job"),
+                      ("node/hang.py", "_end"), ("launch/standby.py", "_leave"),
+                      # the moments a supervisor's script ended (or never started): a late signal is no stop
+                      ("launch/supervise.py", "supervise"), ("launch/supervise.py", "_conclude")}
+
+
+def _teardowns(path: Path) -> list[tuple[str, int, str]]:
+    """(the enclosing functions, line, call) of each teardown call: ``x.leaving_finished()``,
+    ``x.ignore_further()``, ``os._exit()``, and ``run.close()`` or ``s.close()``/``session.close()``."""
+    tree = ast.parse(path.read_text())
+    found: dict[int, tuple[set[str], str]] = {}
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(fn):
+            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in TEARDOWN_CALLS):
+                continue
+            owner = n.func.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            if n.func.attr != "close" or name in ("run", "s", "session", "_session"):
+                found.setdefault(n.lineno, (set(), n.func.attr))[0].add(fn.name)   # every enclosing function
+    return [(fns, line, call) for line, (fns, call) in sorted(found.items())]
+
+
+def test_the_teardown_check_sees_each_kind_of_call(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import os\ndef f(run, s, fh):\n    s.stop.leaving_finished()\n    run.close(failed=True)\n"
+                 "    fh.close()\n    os._exit(1)\n")
+    assert [(line, call) for _, line, call in _teardowns(f)] == [(3, "leaving_finished"), (4, "close"), (6, "_exit")]
+
+
+@pytest.mark.parametrize("path", LIFE_MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_a_rank_s_life_has_one_teardown_and_one_way_out(path):
+    """A rank's teardown (the stop handlers' end, the Run's close, the session's) is
+    ``lifecycle.end``, and a process of hpc_train's leaves through ``lifecycle.exit_now``
+    (``exit_done`` runs the exit handlers first): no entry point ends itself its own way."""
+    rel = str(path.relative_to(PKG))
+    own = {("lifecycle.py", "end"), ("lifecycle.py", "exit_now"), ("lifecycle.py", "exit_done"), *TEARDOWN_ELSEWHERE}
+    stray = [(sorted(fns), line, call) for fns, line, call in _teardowns(path) if not {(rel, fn) for fn in fns} & own]
+    assert not stray, f"{rel} tears down or leaves outside lifecycle.end/exit_now: {stray}"
+
+
 # Below the lifecycle a module takes the config section it uses (issue 48.7). The exceptions hold
 # the config as a whole because the whole is their subject: the lifecycle's session (it hands the
 # sections out), the pre-launch sequence (it writes config.yaml) and the compatibility check (it

@@ -205,7 +205,7 @@ def test_digits_are_read_exactly_as_scikit_learn_loads_them():
 
 @pytest.mark.procs
 def test_a_non_daemon_thread_of_the_users_code_is_waited_for_at_exit(run_cli, run_dir, smoke):
-    # A finished worker leaves without the interpreter's teardown (worker.exit_done), but not while
+    # A finished worker leaves without the interpreter's teardown (lifecycle.exit_done), but not while
     # a non-daemon thread of the user's code still runs: a normal exit would wait for it.
     r = run_cli("run", "jobs/digits.yaml", "--nproc", "2", "--run-dir", run_dir, *smoke,
                 "--set", f"train.fn={PLUGINS}:leaves_a_thread", timeout=120)
