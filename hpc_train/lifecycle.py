@@ -270,7 +270,6 @@ def exit_done(code: int) -> None:
     second per process, and on a stop it sits between the committed checkpoint and the requeue.
     Returns instead (a normal, slower exit follows) while a non-daemon thread of the user's code
     still runs: a normal exit waits for it, and leaving now would cut it off."""
-    import atexit
     import threading
     if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
         release_group()   # the normal exit needs it released first
@@ -280,7 +279,8 @@ def exit_done(code: int) -> None:
 
 
 def exit_now(code: int) -> None:
-    """Leave at once after a failure, skipping interpreter teardown.
+    """Leave at once, skipping interpreter teardown: after a failure, and after a stop in a user's
+    program (``init()``'s exit, whose teardown is done).
 
     A rank whose peers sit in a collective can hang at exit inside the gloo group's destructor;
     it then never exits, so neither the local launcher nor ``srun --kill-on-bad-exit`` learns
