@@ -36,8 +36,7 @@ def requested(run_dir: Path) -> bool:
     """Rank 0 of this step asked the batch shell for a requeue (the stop record's request names
     this step)."""
     pending, _ = record.read_pending(Path(run_dir))
-    here = StepId.from_env()
-    return pending is not None and (pending.job, pending.restart, pending.attempt) == (here.job, here.restart, here.attempt)
+    return pending is not None and pending.is_of(StepId.from_env())
 
 
 def request_for_stop(env, step: int | None, stop) -> tuple[str, Request]:

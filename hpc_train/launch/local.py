@@ -321,7 +321,8 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, hang_s: float, started:
         if failed is None and time.monotonic() >= next_check:
             next_check = time.monotonic() + 1.0
             alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
-            hung = _frozen(procs, alive, liveness.heartbeat_limit(hang_s), started, reader) if reader is not None else None
+            hung = (_frozen(procs, alive, liveness.heartbeat_limit(hang_s), started, reader)
+                    if reader is not None else None)
             if hung is not None:
                 _name_frozen(run_dir, procs, *hung)
                 failed = (hung[0], None)

@@ -132,8 +132,7 @@ def _pending(run_dir: Path, inc: Incarnation, step: StepId, batch_start: int) ->
         # safe reading.
         return (requeue_rec.Pending(inc.target, None, "", None, step.job, step.restart, step.attempt),
                 f"{problem}: taken as this task's stop request; ")
-    if pending is not None and ((pending.job, pending.restart) != (step.job, step.restart)
-                                or 0 < pending.attempt != step.attempt > 0):
+    if pending is not None and not pending.is_of(step):
         # The stop record outlives its step (an earlier stop's, then a failure): not this step's,
         # and nothing to say. An earlier version's requeue.pending went once acted on: one left
         # is a request a killed batch shell never handled.

@@ -44,7 +44,8 @@ class SlurmEntry:
         # The node side is started by name, as a batch script starts it with `python -m
         # hpc_train worker`: the login side that pickled this entry never imports it.
         import importlib
-        worker, lifecycle = importlib.import_module("hpc_train.launch.worker"), importlib.import_module("hpc_train.lifecycle")
+        worker = importlib.import_module("hpc_train.launch.worker")
+        lifecycle = importlib.import_module("hpc_train.lifecycle")
         exit_done, exit_now, release_group, run_worker = (lifecycle.exit_done, lifecycle.exit_now,
                                                           lifecycle.release_group, worker.run_worker)
         os.environ.setdefault(rundir.RESUME_ENV, self.resume)

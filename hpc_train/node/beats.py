@@ -1,5 +1,5 @@
-"""Heartbeats: each rank says every :data:`~hpc_train.node.liveness.BEAT_S` seconds that it is alive, and a watcher reads
-how long ago each peer last did. Torch only inside :class:`StoreBeats`.
+"""Heartbeats: each rank says every :data:`~hpc_train.node.liveness.BEAT_S` seconds that it is
+alive, and a watcher reads how long ago each peer last did. Torch only inside :class:`StoreBeats`.
 
 Two channels, one per kind of process:
 
@@ -24,15 +24,15 @@ Two channels, one per kind of process:
   (``logs/.heartbeat/rank-R``, :mod:`hpc_train.records.ranks`), touched.
 
 Hazard: a ``TCPStore`` whose server is frozen (rank 0 stopped with SIGSTOP hosts it, unless
-torchrun's agent does) blocks every request, with no timeout, even a new connection's (its
-kernel still accepts). So reads run on a thread of their own and one is given up after
-:data:`~hpc_train.node.liveness.READ_WAIT_S`: the store's host is then the culprit (:class:`Silent`). That thread lives as
-long as the heartbeat, and reads one request at a time: a thread made per read was, now and then,
-half made when its process was stopped (a thread state linked in, its thread not yet run), and
-faulthandler's dump of every thread, which the watchdog asks of a frozen rank, crashed on it
-with nothing written past that thread's header. The beating thread
-may block the same way; nothing waits on it (it is a daemon, and the fork lock of the file
-channel is not taken around it: a data loader's fork would wait as long as the store is frozen).
+torchrun's agent does) blocks every request, with no timeout, even a new connection's (its kernel
+still accepts). So reads run on a thread of their own and one is given up after
+:data:`~hpc_train.node.liveness.READ_WAIT_S`: the store's host is then the culprit
+(:class:`Silent`). That thread lives as long as the heartbeat, and reads one request at a time: a
+thread made per read was, now and then, half made when its process was stopped (a thread state
+linked in, its thread not yet run), and faulthandler's dump of every thread, which the watchdog asks
+of a frozen rank, crashed on it with nothing written past that thread's header. The beating thread
+may block the same way; nothing waits on it (it is a daemon, and the fork lock of the file channel
+is not taken around it: a data loader's fork would wait as long as the store is frozen).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class Silent(Exception):
 
 
 class _Beater:
-    """A daemon thread that calls ``self._beat()`` every :data:`~hpc_train.node.liveness.BEAT_S` seconds until stopped."""
+    """A daemon thread that calls ``self._beat()`` every :data:`~hpc_train.node.liveness.BEAT_S`
+    seconds until stopped."""
 
     def __init__(self) -> None:
         self._stop = threading.Event()
@@ -239,7 +240,8 @@ class StoreBeats(_Beater):
                 self._reader.start()
             self._asks.put(read)
         if not read.done.wait(max(0.0, deadline - time.monotonic())):
-            raise Silent(f"the rendezvous store at {self.where} did not answer in {liveness.READ_WAIT_S:.0f}s", self.host_rank)
+            raise Silent(f"the rendezvous store at {self.where} did not answer in {liveness.READ_WAIT_S:.0f}s",
+                         self.host_rank)
         if read.error is not None:
             raise Silent(f"the rendezvous store at {self.where} failed: {str(read.error).splitlines()[0][:200]}",
                          self.host_rank)

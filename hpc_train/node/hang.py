@@ -1,11 +1,11 @@
 """The hang watch of a loop that steps through :class:`~hpc_train.run.Run` (the built-in
 trainer and a user's loop alike). No torch here.
 
-A step is hung when it has not ended for :data:`~hpc_train.node.liveness.HANG_STEP_FACTOR` (10) x the run's recent p99 step time, and at least
-``dist.hang_floor_s`` (``dist.hang_timeout_s: auto``), or for ``dist.hang_timeout_s`` seconds
-when that is a number. The heartbeat alone (:mod:`hpc_train.node.watchdog`) waits half of
-``dist.timeout_s`` (300 s by default) before it names a frozen rank; the run's own steps say much
-sooner that something is wrong.
+A step is hung when it has not ended for :data:`~hpc_train.node.liveness.HANG_STEP_FACTOR` (10) x
+the run's recent p99 step time, and at least ``dist.hang_floor_s`` (``dist.hang_timeout_s: auto``),
+or for ``dist.hang_timeout_s`` seconds when that is a number. The heartbeat alone
+(:mod:`hpc_train.node.watchdog`) waits half of ``dist.timeout_s`` (300 s by default) before it names
+a frozen rank; the run's own steps say much sooner that something is wrong.
 
 Known long phases keep that long limit: the time up to the first step (rendezvous, model and
 data, compilation), a restore, a save, whatever the code marks with :meth:`Run.long_phase
@@ -44,9 +44,7 @@ from hpc_train import rundir
 from hpc_train.config import DistSection
 from hpc_train.config_rules import hang_timeout
 from hpc_train.node import beats, liveness, watchdog
-from hpc_train.node.liveness import HANG_CHECK_S as CHECK_S
-from hpc_train.node.liveness import HANG_STEP_FACTOR as K
-from hpc_train.node.liveness import HANG_WARMUP_STEPS as WARMUP
+from hpc_train.node.liveness import HANG_CHECK_S, HANG_STEP_FACTOR, HANG_WARMUP_STEPS
 from hpc_train.node.environment import NodeEnv
 
 log = logging.getLogger("hpc_train")
@@ -98,12 +96,12 @@ class Progress:
             stalled, phase, step, times = time.monotonic() - self.since, self.phase, self.step, list(self._times)
         if self.fixed_s is not None:
             return stalled, phase, step, self.fixed_s, "dist.hang_timeout_s"
-        if phase != "step" or len(times) < WARMUP:
+        if phase != "step" or len(times) < HANG_WARMUP_STEPS:
             return stalled, phase, step, self.long_s, "the long limit, half of dist.timeout_s"
         p99 = sorted(times)[int(0.99 * (len(times) - 1))]
-        if K * p99 <= self.floor_s:
+        if HANG_STEP_FACTOR * p99 <= self.floor_s:
             return stalled, phase, step, self.floor_s, f"dist.hang_floor_s; p99 step {p99:.3f}s"
-        return stalled, phase, step, K * p99, f"{K} x the p99 step time {p99:.3f}s"
+        return stalled, phase, step, HANG_STEP_FACTOR * p99, f"{HANG_STEP_FACTOR} x the p99 step time {p99:.3f}s"
 
 
 class HangWatch:
@@ -128,12 +126,12 @@ class HangWatch:
         warned = frozen_here = False
         peers = [r for r in range(self.world_size) if r != self.rank]
         last = recheck = time.monotonic()
-        while not self._stop.wait(CHECK_S):
+        while not self._stop.wait(HANG_CHECK_S):
             stalled, phase, step, limit, why = self.progress.state()
             now = time.monotonic()
             # This process was stopped itself (SIGSTOP, then SIGCONT): the stall is its own, and
             # the peer that named it may be gone already; nothing to say until a step ends.
-            frozen_here = frozen_here or now - last > 3 * CHECK_S
+            frozen_here = frozen_here or now - last > 3 * HANG_CHECK_S
             last = now
             if stalled <= limit:
                 warned = frozen_here = False
@@ -220,7 +218,8 @@ class Watches:
 def watch(d: DistSection, session) -> tuple[Progress, Watches]:
     """A Run's progress, and its heartbeat and watches over the ``session``'s run directory, started."""
     long_s = liveness.heartbeat_limit(d.timeout_s)
-    progress = Progress(hang_timeout(d.hang_timeout_s, d.timeout_s, d.hang_floor_s), d.hang_floor_s or min(liveness.HANG_FLOOR_S, long_s), long_s)
+    progress = Progress(hang_timeout(d.hang_timeout_s, d.timeout_s, d.hang_floor_s),
+                        d.hang_floor_s or min(liveness.HANG_FLOOR_S, long_s), long_s)
     env, run_dir = session.env, session.run_dir
     # Alone, a rank has no peer to name and no collective to wait in.
     beating = beats.for_run(env, run_dir, through_store=session.policy.owns_group)

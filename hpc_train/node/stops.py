@@ -98,7 +98,8 @@ class StopRequest:
     @property
     def name(self) -> str:
         """The stop as a log line says it: SIGUSR2, SIGTERM, straggler."""
-        return self.signal_name if self.swap is not None or not self.signum else f"SIG{self.signal_name}"
+        from hpc_train.records.stop import said
+        return said(self.signal_name)
 
     def _handler(self, signum: int, frame: object) -> None:
         # Async-signal context: assign and return. No I/O, no locks, no raising of our own (the

@@ -9,11 +9,11 @@ time can. Without a watched DDP module (another strategy, a loop of its own) it 
 ``step_end``, which includes any collective of the loop's own (say so when naming a rank).
 
 Every N steps every rank contributes its mean own time over those steps to one all-gather of
-``world_size`` float32 values (4 bytes a rank: 16 KiB at 4096 ranks, every 50 steps). Rank 0
-keeps the last :data:`~hpc_train.node.liveness.STRAGGLER_GATHERINGS` gatherings; a rank whose own time was at least
-``dist.straggler_ratio`` times the median of the other ranks' in each of them is named once, in one line (rank,
-node, how much slower, since which step), until it recovers. ``metrics.jsonl`` and TensorBoard
-get the spread (median, max, the slowest rank) at every gathering.
+``world_size`` float32 values (4 bytes a rank: 16 KiB at 4096 ranks, every 50 steps). Rank 0 keeps
+the last :data:`~hpc_train.node.liveness.STRAGGLER_GATHERINGS` gatherings; a rank whose own time was
+at least ``dist.straggler_ratio`` times the median of the other ranks' in each of them is named
+once, in one line (rank, node, how much slower, since which step), until it recovers.
+``metrics.jsonl`` and TensorBoard get the spread (median, max, the slowest rank) at every gathering.
 
 Replacing it (``job.replace_stragglers``): once rank 0 has named a rank for
 ``dist.straggler_window_s`` without a break, it asks for a stop (:meth:`StopRequest.straggler
@@ -35,7 +35,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from hpc_train.node.liveness import STRAGGLER_GATHERINGS as WINDOW
+from hpc_train.node.liveness import STRAGGLER_GATHERINGS
 
 log = logging.getLogger("hpc_train")
 
@@ -53,7 +53,7 @@ class Stragglers:
         self.entered: float | None = None   # the step's last gradient bucket entered the all-reduce
         self.hooked = False                 # entered is set by a DDP comm hook (own time exact)
         self._own, self._n = 0.0, 0
-        self._history: deque[list[float]] = deque(maxlen=WINDOW)
+        self._history: deque[list[float]] = deque(maxlen=STRAGGLER_GATHERINGS)
         self.named: dict[int, int] = {}     # rank -> the step since which it is slow (rank 0)
         self.last: dict[str, float] | None = None
 
@@ -117,13 +117,13 @@ class Stragglers:
         return self.last
 
     def _name(self, step: int, median: float) -> None:
-        if len(self._history) < WINDOW or median <= 0:
+        if len(self._history) < STRAGGLER_GATHERINGS or median <= 0:
             return
         for r in range(self.world):
             ratios = [_ratio(h, r) for h in self._history]
             slow = min(ratios) >= self.ratio
             if slow and r not in self.named:
-                self.named[r] = step - self.every * (WINDOW - 1)
+                self.named[r] = step - self.every * (STRAGGLER_GATHERINGS - 1)
                 self.named_at[r] = time.monotonic()
                 how = "" if self.hooked else " (to step_end: no DDP module is watched, so the loop's own collectives count too)"
                 log.warning("straggler: rank %d on %s is %.1fx slower than the median of the other ranks (own step "

@@ -2,14 +2,15 @@
 
 A collective timeout says only that *some* peer is missing, and every survivor reports it, so the
 culprit goes unnamed (NCCL's maintainers: there is no such feature; pytorch #118369). Here every
-task runs a daemon thread that beats every :data:`~hpc_train.node.liveness.BEAT_S` seconds (:mod:`hpc_train.node.beats`:
-through the rendezvous store, or a ``--script``'s supervisor on its record).
+task runs a daemon thread that beats every :data:`~hpc_train.node.liveness.BEAT_S` seconds
+(:mod:`hpc_train.node.beats`: through the rendezvous store, or a ``--script``'s supervisor on its record).
 The thread beats while the main thread computes, reads a checkpoint or waits in a collective
 (those release the GIL), so a slow rank is never blamed; a rank that is stopped (SIGSTOP), frozen
 in the kernel, or stuck holding the GIL stops beating. The watcher, the local ``run`` launcher or
 rank 0 of a Slurm job, names the first rank whose heartbeat is older than its limit
-(:mod:`hpc_train.node.liveness`: half of ``dist.timeout_s``, before the peers' collectives time out), has every task write its Python stacks to its rank log (faulthandler on :data:`DUMP_SIGNAL`),
-and ends the run; on Slurm that is a ``failure``, requeued within its budget.
+(:mod:`hpc_train.node.liveness`: half of ``dist.timeout_s``, before the peers' collectives time
+out), has every task write its Python stacks to its rank log (faulthandler on
+:data:`DUMP_SIGNAL`), and ends the run; on Slurm that is a ``failure``, requeued within its budget.
 """
 
 from __future__ import annotations

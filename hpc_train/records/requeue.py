@@ -35,6 +35,7 @@ from hpc_train import rundir
 from hpc_train.records import io
 from hpc_train.records import fields
 from hpc_train.records import stop as stop_rec
+from hpc_train.records.ranks import StepId
 from hpc_train.records.fields import Bad
 
 NAME = "requeue.json"
@@ -278,6 +279,16 @@ class Pending:
     swap_rank: int | None = None
     source: str = stop_rec.NAME   # the record it was read from (PENDING: an earlier version's)
 
+    @classmethod
+    def of(cls, r: stop_rec.Request, step: int | None, signal: str, received_at: float | None,
+           source: str = stop_rec.NAME) -> Pending:
+        return cls(r.target, step, signal, received_at, r.job, r.restart, r.attempt, r.swap, r.swap_rank, source)
+
+    def is_of(self, step: StepId) -> bool:
+        """Whether step ``step`` left this request: the same job and incarnation, and the same
+        attempt where both know theirs (a batch script that does not count its steps runs one)."""
+        return (self.job, self.restart) == (step.job, step.restart) and not 0 < self.attempt != step.attempt > 0
+
 
 def pending_path(run_dir: Path) -> Path:
     """``requeue.pending``: where an earlier version kept the request (read, and removed once acted on)."""
@@ -299,9 +310,7 @@ def read_pending(run_dir: Path, since: float = 0.0) -> tuple[Pending | None, str
         return (None, None) if written is not None and written < since else (None, f"{stop_rec.NAME} {problem}")
     if rec is None or rec.request is None:
         return None, None
-    r = rec.request
-    return Pending(r.target, rec.steps, rec.signal, rec.received_at, r.job, r.restart, r.attempt, r.swap,
-                   r.swap_rank), None
+    return Pending.of(rec.request, rec.steps, rec.signal, rec.received_at), None
 
 
 def _read_legacy(path: Path) -> tuple[Pending | None, str | None]:
@@ -309,15 +318,11 @@ def _read_legacy(path: Path) -> tuple[Pending | None, str | None]:
     if raw is None:
         return None, problem and f"{PENDING} {problem}"
     try:
-        target = fields.text(raw, "target")
-        if not stop_rec.JOB_TARGET.fullmatch(target):
-            raise Bad(f"target is {target!r}, not a Slurm job id")
-        return Pending(target, fields.opt_count(raw, "step"),
-                       # A request left by a step before the writer stored job.signal's form
-                       # (SIGUSR2) means the same signal.
-                       fields.text(raw, "signal", "").removeprefix("SIG"), fields.opt_number(raw, "received_at"),
-                       fields.text(raw, "job", ""), fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0),
-                       fields.opt_text(raw, "swap"), fields.opt_count(raw, "swap_rank"), PENDING), None
+        # A request left by a step before the writer stored job.signal's form (SIGUSR2) means
+        # the same signal.
+        return Pending.of(stop_rec.request_from(raw), fields.opt_count(raw, "step"),
+                          fields.text(raw, "signal", "").removeprefix("SIG"), fields.opt_number(raw, "received_at"),
+                          PENDING), None
     except Bad as e:
         return None, f"{PENDING} {e}"
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,11 +86,18 @@ def _request(raw: object) -> Request | None:
         return None
     if not isinstance(raw, dict):
         raise Bad(f"request is {raw!r:.40}, not an object")
+    return request_from(raw, "request.")
+
+
+def request_from(raw: Mapping[str, object], where: str = "") -> Request:
+    """A request's fields, checked (raises :class:`Bad` naming the first wrong one, ``where`` before
+    its name): the stop record's ``request``, and an earlier version's ``requeue.pending``, which
+    held the same fields at its top level."""
     target = fields.text(raw, "target")
     if not JOB_TARGET.fullmatch(target):
-        raise Bad(f"request.target is {target!r:.40}, not a Slurm job id")
-    return Request(target, fields.text(raw, "job", ""), fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0),
-                   fields.opt_text(raw, "swap"), fields.opt_count(raw, "swap_rank"))
+        raise Bad(f"{where}target is {target!r:.40}, not a Slurm job id")
+    return Request(target, fields.text(raw, "job", ""), fields.count(raw, "restart", 0),
+                   fields.count(raw, "attempt", 0), fields.opt_text(raw, "swap"), fields.opt_count(raw, "swap_rank"))
 
 
 def write(run_dir: Path, rec: StopRecord) -> None:

@@ -88,3 +88,18 @@ def test_a_line_says_the_signal_as_sig_and_an_old_record_s_form_reads_the_same(t
     stop.path(tmp_path).write_text(json.dumps({"steps": 3, "stop_signal": "SIGUSR2", "checkpoint": True}))
     rec, _ = stop.read(tmp_path)
     assert rec.signal == "USR2" and stop.said(rec.signal) == "SIGUSR2" and stop.said("straggler") == "straggler"
+
+
+@pytest.mark.parametrize("asked, step, mine", [
+    (("77", 2, 3), ("77", 2, 3), True),
+    (("77", 2, 3), ("77", 2, 4), False),       # the next step of the allocation (an in-place restart)
+    (("77", 2, 3), ("77", 3, 1), False),       # the next incarnation (a requeue)
+    (("77", 2, 3), ("78", 2, 3), False),       # another job in the same run directory
+    (("77", 2, 0), ("77", 2, 4), True),        # a batch script that did not count its steps ran one
+    (("77", 2, 3), ("77", 2, 0), True),
+])
+def test_which_step_a_request_is_of(asked, step, mine):
+    """One rule for the hook (login/gather) and the submitted worker (requeue.requested)."""
+    from hpc_train.records.ranks import StepId
+    p = requeue.Pending("77", 1, "USR2", None, *asked)
+    assert p.is_of(StepId(*step)) is mine
