@@ -20,6 +20,11 @@ class UsageError(Exception):
     """Bad input from the user: a config key, a value, a flag, a path, an environment variable."""
 
 
+class RunDirBusy(UsageError):
+    """The run directory is held by another run (its lock): what was refused writes nothing there,
+    neither an error file nor a record, since every file in it is the holder's."""
+
+
 class RunFailure(RuntimeError):
     """A failure whose message names the cause and the fix: reported as one line, no traceback."""
 

@@ -162,30 +162,41 @@ def _name_own_program(cfg: Config) -> Config:
 
 
 def _one_line_failures(run: Run) -> None:
-    """An uncaught failure that is not a bug ends a user's program with one line, as a worker of
-    hpc_train's launchers reports it (its traceback goes to the rank's error file):
+    """An uncaught exception that ends a user's program is this rank's failure, recorded where a
+    worker of hpc_train's launchers records its own: the rank's error file, its first line the
+    cause and then the traceback, which ``status``, the launcher and the requeue hook read to
+    name the culprit. A failure that is not a bug is said in one line instead of a traceback:
 
     * a :class:`~hpc_train.errors.RunFailure` (no checkpoint loads, training diverged, ...),
       whose message names the cause and the fix;
     * an error of a collective whose peer went away, naming the peer, not gloo's raw traceback:
-      the rank that printed it is a victim, and the culprit is elsewhere."""
+      the rank that printed it is a victim, and the culprit is elsewhere.
+
+    Any other exception (a bug in the user's code) keeps the traceback the program would print
+    without hpc_train. A KeyboardInterrupt is no failure of the code: not recorded."""
     from hpc_train.errors import RunFailure, says_peer_lost
     from hpc_train.node import watchdog
     default = sys.excepthook
 
     def hook(kind, value, tb) -> None:
+        one_line = True
         if isinstance(value, RunFailure):
             line = f"{type(value).__name__}: {value}"
         elif isinstance(value, RuntimeError) and says_peer_lost(str(value)):
             line = watchdog.lost_peer_line(str(value), run.run_dir, run.world_size, run.rank)
-        else:
+        elif isinstance(value, KeyboardInterrupt):
             default(kind, value, tb)
             return
+        else:
+            line, one_line = f"{kind.__name__}: {value}".splitlines()[0], False
         import traceback
         try:   # the traceback, for a bug report, where the worker keeps its own
             watchdog.write_error(run.run_dir, run.rank, f"{line}\n\n{''.join(traceback.format_exception(kind, value, tb))}")
         except OSError:
             pass
+        if not one_line:
+            default(kind, value, tb)
+            return
         from hpc_train.records.ranks import node_name
         print(f"hpc_train: rank {run.rank} on {node_name()}: {line}", file=sys.stderr)
     sys.excepthook = hook

@@ -124,7 +124,7 @@ class RunDirLock:
         import socket
         import time
 
-        from hpc_train.errors import UsageError
+        from hpc_train.errors import RunDirBusy
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)   # not inherited by child processes
         try:
@@ -132,7 +132,7 @@ class RunDirLock:
         except OSError:
             holder = self.holder()
             os.close(fd)
-            raise UsageError(f"{self.path.parent} is in use by {holder}; wait for it to end, stop it, or use "
+            raise RunDirBusy(f"{self.path.parent} is in use by {holder}; wait for it to end, stop it, or use "
                              f"another --run-dir") from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "what": self.what,

@@ -325,3 +325,24 @@ def probe(py: str, env: dict, tmp_path: Path, args: list[str], preload: str = ""
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.exists(), f"probe did not finish: {r.stderr}"
     return {**json.loads(out.read_text()), "stdout": r.stdout, "stderr": r.stderr}
+
+
+# The columns of docs/faults.md's exit-code table, by what names each path in its header.
+EXIT_COLUMNS = {"run": "`run`", "worker": "a worker process", "python": "`python train.py`",
+                "torchrun": "`torchrun train.py`", "slurm": "a Slurm job"}
+
+
+def documented_exit(outcome: str, path: str) -> int:
+    """The exit code docs/faults.md documents for ``outcome`` (the first word of its row:
+    finished, stopped, refused, failed) on ``path`` (a key of :data:`EXIT_COLUMNS`): the first
+    number in that cell. The tests that measure exit codes read them here, so that the page and
+    the code cannot drift apart."""
+    import re
+    text = (REPO / "docs" / "faults.md").read_text()
+    section = text.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in section.splitlines()
+            if ln.startswith("| ")]
+    header, body = rows[0], rows[1:]
+    column = next(i for i, h in enumerate(header) if h.startswith(EXIT_COLUMNS[path]))
+    row = next(r for r in body if r[0].split()[0] == outcome)
+    return int(re.search(r"\d+", row[column]).group())

@@ -78,7 +78,8 @@ def small_data(cfg, seed: int):
 
 
 class _Slow:
-    """A map-style dataset whose every training sample costs ``delay`` seconds to load."""
+    """A map-style dataset whose every training sample costs ``delay`` seconds to load; on the rank
+    named by ``HPC_TEST_CRASH_RANK`` its first sample raises (a bug in a user's data)."""
 
     def __init__(self, x, y, delay: float) -> None:
         self.x, self.y, self.delay = x, y, delay
@@ -87,6 +88,8 @@ class _Slow:
         return len(self.y)
 
     def __getitem__(self, i: int):
+        if os.environ.get("HPC_TEST_CRASH_RANK", "-") == os.environ.get("RANK"):
+            raise RuntimeError(f"slow_data: rank {os.environ['RANK']} crashes, as the test asked")
         if self.delay:
             time.sleep(self.delay)
         return self.x[i], self.y[i]

@@ -229,9 +229,12 @@ def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], scr
     if (stop.requested and not late) or own_stop:
         return _stopped(env, rd, stop, started, code, f"the script stopped ({stop.name}; it {_how(code)})")
     if code != 0 and not (late and finished):
-        from hpc_train.records.ranks import node_name
+        from hpc_train.records.ranks import error_line, node_name
         last = "\n".join(f"    {line}" for line in tail) or "    (no output)"
-        _fail(rd, env, f"rank {env.rank} on {node_name()}: {script} {_how(code)}; its last lines:\n{last}")
+        # The script's own init() recorded what it raised: that is the cause, said first.
+        own = error_line(rd, env.rank, started)
+        cause = f"{own} ({script} {_how(code)})" if own else f"{script} {_how(code)}"
+        _fail(rd, env, f"rank {env.rank} on {node_name()}: {cause}; its last lines:\n{last}")
     watchdog.say_ended(rd, env.rank, "finished")
     # The run is finished when every rank's script is: rank 0 writes result.json only then. Were
     # it written when rank 0's own script ended, a rank failing later would leave a failed run

@@ -25,7 +25,7 @@ from hpc_train.launch import standby
 from hpc_train.node import environment, session, watchdog
 from hpc_train.node.policy import Entry, policy
 from hpc_train.config import Config
-from hpc_train.errors import RunFailure, ScriptFailed, UsageError, says_peer_lost
+from hpc_train.errors import RunDirBusy, RunFailure, ScriptFailed, UsageError, says_peer_lost
 
 log = logging.getLogger("hpc_train")
 
@@ -100,6 +100,9 @@ def _report(e: BaseException, s: session.Session) -> None:
     torchelastic's error file. A supervised script's failure wrote its own."""
     rd, env = s.run_dir, s.env
     if isinstance(e, ScriptFailed):    # its error file is written, naming rank and host
+        return
+    if isinstance(e, RunDirBusy):      # the directory is the holder's: its error file is not ours
+        log.error("refused: %s", e)
         return
     line = _one_line(e, rd, env)
     try:

@@ -304,8 +304,11 @@ def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
     code = 1 if i.status in (0, AGAIN) else i.status
     step = i.newest_step     # a requeue lands on nodes that hold nothing: the shared tier's step
     if 0 <= budget <= used:
-        final = f"stopped by failure at {_step(step)}; failure budget ({budget}) spent, not requeued"
-        return Decision("fail", f"{note}{final}", code, "failure", step, final=final, error=error)
+        # The record's last word names the culprit's error (status shows it); the line has it in its note.
+        spent = f"failure budget ({budget}) spent, not requeued"
+        final = f"failed at {_step(step)}{f': {error}' if error else ''}; {spent}"
+        return Decision("fail", f"{note}failure at {_step(step)}; {spent}", code, "failure", step, final=final,
+                        error=error)
     return Decision("requeue", f"{note}failure at {_step(step)}: requeue {used + 1} of {_limit(budget)}", 0,
                     "failure", step, error=error)
 

@@ -11,14 +11,21 @@ Guarantees, each checked on every path in one sequence per path:
   process is ours, naming the holder), and the first is unharmed;
 * stop: a real SIGTERM saves, exits non-zero and prints that path's resume hint;
 * goodput: ``goodput.json`` exists for the stopped run and for the finished run;
+* crash: a rank whose code raises fails the run, named as the culprit by the launcher and by
+  ``status``, and loses nothing: the same command then resumes from the stop's checkpoint;
 * no stale stop record: the same command resumes and finishes, and ``stopped.json`` is gone;
 * finished: a finished run never trains again: exit 0, one line, nothing in its directory changes.
+
+It is also the exit-code table test on these paths (a refusal, a stop, a crash, a finish): each
+exit code is the one docs/faults.md documents (read from its table, :func:`documented_exit`), and
+``status`` reads the same outcome from the records.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,7 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import clean_env, metric_lines, snapshot
+from helpers import clean_env, documented_exit, metric_lines, snapshot
 
 # Every test here starts real training processes: not in `make test-fast`.
 pytestmark = pytest.mark.procs
@@ -55,10 +62,12 @@ def _config(tmp: Path) -> str:
     return str(path)
 
 
-def command(path: str, tmp: Path, rd: Path, slow: bool) -> tuple[list[str], dict[str, str], Path]:
-    """(argv, environment, cwd) of one start of ``path``; ``slow``: slow enough to be stopped mid-run."""
+def command(path: str, tmp: Path, rd: Path, slow: bool, **extra: str) -> tuple[list[str], dict[str, str], Path]:
+    """(argv, environment, cwd) of one start of ``path``; ``slow``: slow enough to be stopped mid-run;
+    ``extra``: more environment (``HPC_TEST_CRASH_RANK``)."""
     sleep = "0.2" if slow else "0"
-    env = clean_env(HPC_TEST_SLOW_S="0.025" if slow else "0", OWN_LOOP_STEPS=str(STEPS), OWN_LOOP_SLEEP=sleep)
+    env = clean_env(HPC_TEST_SLOW_S="0.025" if slow else "0", OWN_LOOP_STEPS=str(STEPS), OWN_LOOP_SLEEP=sleep,
+                    **extra)
     hpc = [PY, "-m", "hpc_train", "run"]
     if path == "run-config":
         return [*hpc, _config(tmp), "--nproc", "2", "--run-dir", str(rd)], env, ROOT
@@ -76,6 +85,21 @@ def command(path: str, tmp: Path, rd: Path, slow: bool) -> tuple[list[str], dict
 
 def run_dir_of(path: str, tmp: Path) -> Path:
     return tmp / "runs" / "own_loop" if path in ("python", "torchrun") else tmp / "run"
+
+
+def column(path: str) -> str:
+    """The path's column in docs/faults.md's exit-code table."""
+    return "run" if path.startswith("run-") else path
+
+
+def status(rd: Path) -> tuple[str, str]:
+    """(the outcome's word, the whole answer) of ``hpc_train status RD``: its line is
+    ``local run: failed: rank 1: ...``."""
+    r = subprocess.run([PY, "-m", "hpc_train", "status", str(rd)], env=clean_env(), cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.splitlines()[1].strip()
+    return line.split(": ", 1)[1].split()[0].rstrip(":"), r.stdout
 
 
 def start(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
@@ -122,7 +146,7 @@ def test_every_guarantee_on_every_local_path(path, tmp_path):
         # busy: refused at once, naming the holder; the first goes on
         argv2, env2, cwd2 = command(path, tmp_path, rd, slow=True)
         code2, err2 = finish(start(argv2, env2, cwd2), timeout=120)
-        assert code2 == (2 if path != "torchrun" else 1) and "is in use by" in err2, (code2, err2[-3000:])
+        assert code2 == documented_exit("refused", column(path)) and "is in use by" in err2, (code2, err2[-3000:])
         assert "Traceback" not in err2 or path == "torchrun", err2[-3000:]   # torchrun prints its own
         assert first.poll() is None, "the first run was harmed by the refused second one"
         # stop: a real SIGTERM to the top process saves, exits non-zero, says how to resume
@@ -132,7 +156,7 @@ def test_every_guarantee_on_every_local_path(path, tmp_path):
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
-    assert code != 0, err[-3000:]
+    assert code == documented_exit("stopped", column(path)), (code, err[-3000:])
     assert HINTS[path] in err, err[-3000:]
     if path.startswith("run-"):   # what the launcher says it does with the signal, true for the path
         said = "sending SIGTERM to every rank's script" if path == "run-script" else "asking every rank to stop"
@@ -143,10 +167,13 @@ def test_every_guarantee_on_every_local_path(path, tmp_path):
     assert stopped["stopped"] is True and stopped["checkpoint"] is True and stopped["steps"] >= before, stopped
     assert (rd / "checkpoints" / f"step-{stopped['steps']}" / "commit.json").is_file()
     assert (rd / "goodput.json").is_file() and not (rd / "result.json").exists()
+    assert status(rd)[0] == "stopped", status(rd)
+    a_crash_is_the_culprit_s_failure(path, tmp_path, rd, stopped["steps"])
     # the same command resumes and finishes: no stale stop record, a goodput record
     argv, env, cwd = command(path, tmp_path, rd, slow=False)
     code, err = finish(start(argv, env, cwd))
-    assert code == 0, err[-3000:]
+    assert code == documented_exit("finished", column(path)), err[-3000:]
+    assert status(rd)[0] == "finished", status(rd)
     result = json.loads((rd / "result.json").read_text())
     assert not (rd / "stopped.json").exists(), "a stale stopped.json after the run finished"
     assert json.loads((rd / "goodput.json").read_text())["segments"], "no goodput segment"
@@ -162,6 +189,25 @@ def test_every_guarantee_on_every_local_path(path, tmp_path):
     assert len(lines) == 1 and "nothing to do" in lines[0] and "starts over" in lines[0], err[-3000:]
     assert "Traceback" not in err
     assert snapshot(rd) == before_files, "the finished run's directory changed"
+
+
+def a_crash_is_the_culprit_s_failure(path: str, tmp: Path, rd: Path, saved: int) -> None:
+    """The last rank's code raises at its first step: the run fails with the documented code, the
+    launcher and ``status`` name that rank (not a victim), and nothing is lost: no step is
+    logged, the stop's checkpoint is still the newest."""
+    culprit = 0 if path == "python" else 1
+    argv, env, cwd = command(path, tmp, rd, slow=False, HPC_TEST_CRASH_RANK=str(culprit))
+    code, err = finish(start(argv, env, cwd))
+    assert code == documented_exit("failed", column(path)), (code, err[-3000:])
+    assert "crashes, as the test asked" in err, err[-3000:]
+    if path.startswith("run-"):
+        assert f"rank {culprit} failed" in err, err[-3000:]
+    word, said = status(rd)
+    assert word == "failed" and re.search(rf"failed: rank {culprit}\b", said), said
+    assert "crashes, as the test asked" in said, said
+    assert max(json.loads(ln)["step"] for ln in metric_lines(rd)) == saved, "a step logged by a crashed run"
+    newest = max(int(p.name.split("-")[1]) for p in (rd / "checkpoints").glob("step-*"))
+    assert newest == saved, newest
 
 
 @pytest.mark.slow

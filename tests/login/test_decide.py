@@ -198,6 +198,11 @@ def test_the_culprit_s_error_is_not_a_victim_s_lost_peer_line():
 def test_spent_budgets_say_so_in_the_final_line():
     d = decide(base(status=1, budgets=Budgets(-1, 20, 1, 0), history=RequeueState(events=(requeued("failure", 4),))))
     assert d.action == "fail" and "failure budget (1) spent, not requeued" in d.final
+    # the last word names the culprit's error, which status shows; the line says it once
+    d = decide(base(status=1, ranks={0: rec(0), 1: rec(1)}, errors={1: "RuntimeError: boom"}, newest_step=40,
+                    budgets=Budgets(-1, 20, 0, 0)))
+    assert d.final == "failed at step 40: RuntimeError: boom; failure budget (0) spent, not requeued", d.final
+    assert d.message.count("RuntimeError: boom") == 1, d.message
     d = decide(base(status=0, pending=pend(step=None), budgets=Budgets(0, 20, 1, 3)))
     assert d.final == "stopped by preemption at an unknown step; preemption budget (0) spent, not requeued"
 

@@ -3,8 +3,10 @@ it under every path (``run --script``, ``run --fn``, ``python``, ``torchrun``, S
 
 ``python own_loop.py [STEPS] [SLEEP_S]``: STEPS optimizer steps of a tiny model, sleeping SLEEP_S
 after each so that a test can stop it mid-run from outside with a real signal.
+``HPC_TEST_CRASH_RANK=R``: rank R raises at its first step (a bug in the user's code).
 """
 
+import os
 import sys
 import time
 
@@ -24,8 +26,11 @@ def main(steps: int = 30, sleep_s: float = 0.0) -> dict:
     state = {"model": model, "optim": optim, "loader": loader, "step": 0}
     run.restore(state)
     loss = torch.zeros(())
+    crash = os.environ.get("HPC_TEST_CRASH_RANK") == str(run.rank)
     while state["step"] < steps:
         for x, y in loader:
+            if crash:
+                raise RuntimeError(f"own_loop: rank {run.rank} crashes, as the test asked")
             loss = torch.nn.functional.cross_entropy(model(x.to(run.device)), y.to(run.device))
             optim.zero_grad()
             loss.backward()
@@ -42,7 +47,6 @@ def main(steps: int = 30, sleep_s: float = 0.0) -> dict:
 
 def fn() -> dict:
     """``run --fn tests.scripts.own_loop:fn``: the same loop as a callable (STEPS/SLEEP from the environment)."""
-    import os
     return main(int(os.environ.get("OWN_LOOP_STEPS", "30")), float(os.environ.get("OWN_LOOP_SLEEP", "0")))
 
 
