@@ -111,6 +111,11 @@ def _group_and_verdict(s: session_mod.Session) -> torch.device:
                       else torch.device("cpu"))
         problem = _prepare(s)
         refused = _rank0_refuses(problem, s.env.world_size, device)
+        if not refused and not s.is_main:
+            # After the verdict: a start refused by a busy directory must not replace the
+            # holder's rank records (nor remove their error files).
+            session_mod.claim(s)
+            s.finished = None
     except BaseException:
         end(s, failed=True)   # no Run to close: the lock, and the stop signals' handlers given back
         raise
@@ -206,19 +211,19 @@ def _prepare(s: session_mod.Session) -> str | None:
     """Rank 0: the run directory's lock (unless a launcher of ours holds it) and, where the
     policy says ``prelaunch`` (outside hpc_train's launchers, which did the rest before starting
     any process), the pre-launch sequence (:func:`hpc_train.ckpt.prelaunch.prelaunch`: the config
-    checked against the checkpoints', the resume plan, the config written). Other ranks start
-    their heartbeat. After the group is up, so that a refusal reaches every rank at once: a rank
+    checked against the checkpoints', the resume plan, the config written). Other ranks claim
+    their part (their records) once rank 0's verdict says the run goes on. After the group is up, so that a refusal reaches every rank at once: a rank
     left waiting in the rendezvous would hang until dist.init_timeout_s (a plain srun does not
     end it). Returns what refuses the run, or None. (A finished run was refused before:
     ``HPC_TRAIN_RESUME=none`` starts it over.)"""
+    if not s.is_main:
+        return None
     try:
         session_mod.claim(s)
         s.finished = None
-        if s.is_main and s.policy.prelaunch:
+        if s.policy.prelaunch:
             session_mod.prelaunch(s, os.environ.get(rundir.RESUME_ENV, "latest"))
     except UsageError as e:
-        if not s.is_main:
-            raise
         return f"hpc_train: {e}"
     return None
 
