@@ -111,11 +111,8 @@ def _group_and_verdict(s: session_mod.Session) -> torch.device:
                       else torch.device("cpu"))
         problem = _prepare(s)
         refused = _rank0_refuses(problem, s.env.world_size, device)
-        if not refused and not s.is_main:
-            # After the verdict: a start refused by a busy directory must not replace the
-            # holder's rank records (nor remove their error files).
-            session_mod.claim(s)
-            s.finished = None
+        if not refused:   # after the verdict: a refused start replaces nothing of the holder's
+            session_mod.register(s)
     except BaseException:
         end(s, failed=True)   # no Run to close: the lock, and the stop signals' handlers given back
         raise
@@ -211,8 +208,8 @@ def _prepare(s: session_mod.Session) -> str | None:
     """Rank 0: the run directory's lock (unless a launcher of ours holds it) and, where the
     policy says ``prelaunch`` (outside hpc_train's launchers, which did the rest before starting
     any process), the pre-launch sequence (:func:`hpc_train.ckpt.prelaunch.prelaunch`: the config
-    checked against the checkpoints', the resume plan, the config written). Other ranks claim
-    their part (their records) once rank 0's verdict says the run goes on. After the group is up, so that a refusal reaches every rank at once: a rank
+    checked against the checkpoints', the resume plan, the config written). Every rank
+    registers once rank 0's verdict says the run goes on. After the group is up, so that a refusal reaches every rank at once: a rank
     left waiting in the rendezvous would hang until dist.init_timeout_s (a plain srun does not
     end it). Returns what refuses the run, or None. (A finished run was refused before:
     ``HPC_TRAIN_RESUME=none`` starts it over.)"""

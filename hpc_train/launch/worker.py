@@ -68,7 +68,7 @@ def _entry(cfg: Config, target: Callable[..., Any] | None) -> Entry:
 
 
 def _live(s: session.Session, entry: Entry, target, args: tuple, kwargs: dict) -> Any:
-    """Claim -> prepare -> run, on the session ``s`` (:mod:`hpc_train.node.session`)."""
+    """Claim -> prepare -> (group ->) register -> run, on the session ``s`` (:mod:`hpc_train.node.session`)."""
     cfg, env, rd = s.cfg, s.env, s.run_dir
     session.claim(s)
     if s.finished is not None:
@@ -85,6 +85,7 @@ def _live(s: session.Session, entry: Entry, target, args: tuple, kwargs: dict) -
                           expected(cfg) if entry is Entry.TRAINER else None)
     if entry is Entry.SUPERVISOR:
         from hpc_train.launch.supervise import supervise
+        session.register(s)   # no group to wait for: a refused rank 0 never got here
         out = supervise(cfg.train, cfg.job, cfg.dist.timeout_s, env, rd, s.stop, s.beats)
         lifecycle.end(s, failed=False, finished=not out.get("stopped"), record_goodput=True)
         return out
@@ -162,6 +163,7 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict) -> Any:
     environment.log_placement(env)
     device = group.init(env, cfg.dist)
     goodput.mark("group")
+    session.register(s)   # the group is up: rank 0 was not refused
     run = lifecycle.start(s, device)
     clean = interrupted = False
     try:

@@ -108,6 +108,7 @@ class Inputs:
     past_why: str = ""                     # why sacct's answer is unknown (past_runs None)
     window_s: float = 300.0                # dist.straggler_window_s: at most one swap per window
     local_step: int | None = None          # the node-local tier's newest the hook's node sees: progress too
+    held_by: str | None = None             # another run holding the run directory as the hook runs
 
 
 @dataclass(frozen=True)
@@ -203,8 +204,16 @@ def outside_requeues(i: Inputs) -> tuple[tuple[Requeue, ...], str]:
     return tuple(seen), said + "; "
 
 
+def refused(i: Inputs) -> bool:
+    """The step was refused: it exited 2, or it failed while another run holds the run directory
+    and none of its ranks began (its rank 0, refused by the lock, wrote nothing there, and srun
+    passed on its worst task's code: a peer it ended)."""
+    return i.status == EXIT_USAGE or (i.status != 0 and i.held_by is not None
+                                      and all(r is None for r in i.ranks.values()))
+
+
 def decide(i: Inputs) -> Decision:
-    if i.status == EXIT_USAGE and not i.finished:
+    if refused(i) and not i.finished:
         return _decide(i)     # a refusal writes nothing: the run directory may be another job's
     seen, note = outside_requeues(i)
     if not note:
@@ -220,6 +229,10 @@ def _decide(i: Inputs) -> Decision:
     if i.status == EXIT_USAGE:
         return Decision("refused", "the step was refused (exit 2: see its error above); a refusal is not "
                         "restarted, requeued or charged", EXIT_USAGE)
+    if refused(i):
+        return Decision("refused", f"the step was refused: the run directory is in use by {i.held_by} and "
+                        f"none of this step's ranks began (srun's exit {i.status}: a rank it ended after "
+                        f"rank 0's refusal); a refusal is not restarted, requeued or charged", EXIT_USAGE)
     failed = failed_ranks(i)
     if i.pending is not None:
         if i.pending.swap is not None and not failed:

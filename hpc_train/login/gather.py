@@ -85,6 +85,9 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     placed = [e.nodes for e in history.restarts_of(inc) if e.nodes is not None]
     world = (len(placed[-1]) if placed else first) * ranks_per_node
     finished = result_rec.finished(run_dir)
+    step_ranks = ranks_rec.read_step(run_dir, step, world)
+    # Who else holds the run directory (decide.refused: a step refused by its lock began no rank).
+    held_by = rundir.busy(run_dir) if status not in (0, EXIT_USAGE) and not finished else None
     # Slurm is asked only when something is to be decided (a stop or a failure): one squeue, and
     # one sinfo for a job that outlives a lost node.
     asks = not finished and status != EXIT_USAGE and (pending is not None or status != 0)
@@ -100,7 +103,6 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
                       else ((), ""))
     from hpc_train.ckpt import tiers
     newest, own = _newest_checkpoint(run_dir, _int(env, BATCH_START_ENV))
-    step_ranks = ranks_rec.read_step(run_dir, step, world)
     began = [r.started for r in step_ranks.values() if r is not None and r.started is not None]
     since = min(began) if began else float(_int(env, BATCH_START_ENV))
     # The error files there are (one listing), not a stat of every rank's possible one.
@@ -119,6 +121,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors,
         past_runs=past, past_why=past_why, window_s=window_s,
         # The items this node sees: on a cluster, its own node's and the copies it keeps.
+        held_by=held_by,
         local_step=tiers.newest_step(tiers.local_items(run_dir, local_dir)) if asks and local_dir is not None else None)
     return inputs, history
 

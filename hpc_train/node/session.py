@@ -2,9 +2,9 @@
 
 Every path ends here: the worker of ``run``/``submit``/``sbatch`` (config, ``--fn``, a callable,
 ``--script`` under its supervisor) and ``hpc_train.init()`` in a user's ``python train.py``,
-``torchrun train.py`` or plain ``srun python train.py``. :func:`begin` and :func:`claim` run
-the same sequence on each (``init()`` claims after its process group is up, so that every
-rank acts on rank 0's verdict together):
+``torchrun train.py`` or plain ``srun python train.py``. :func:`begin`, :func:`claim` and
+:func:`register` run the same sequence on each (``init()`` claims after its process group is
+up, so that every rank acts on rank 0's verdict together):
 
 1. stop signals (first: a stop during start-up is kept, not fatal);
 2. the environment (ranks from the launcher's variables) and rank-prefixed logging;
@@ -12,7 +12,8 @@ rank acts on rank 0's verdict together):
    into a busy directory is refused at once, naming the holder;
 4. a finished run (``result.json``) is never trained again: the caller gets the result back
    and does nothing;
-5. the heartbeat the watchdogs read.
+5. once the run goes on (the group up, or ``init()``'s verdict), this rank's record and the
+   heartbeat the watchdogs read.
 
 :meth:`Session.close` undoes it in reverse, once, whatever happened: a finished run keeps no
 stale ``stopped.json``, every finished or stopped run has its ``goodput.json``, the heartbeat
@@ -55,7 +56,7 @@ class Session:
     stop: StopRequest
     policy: ExitPolicy   # what this entry point does differently (hpc_train.node.policy)
     finished: dict[str, Any] | None = None   # result.json of a run that finished before this start
-    beats: Any = None   # the heartbeat claim() started, where the policy says beats_itself (hpc_train.node.beats)
+    beats: Any = None   # the heartbeat register() started, where the policy says beats_itself (hpc_train.node.beats)
     started: float = field(default_factory=time.time)
     _resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _closed: bool = False
@@ -124,12 +125,10 @@ def begin(cfg: Config, run_dir: Path, policy: ExitPolicy) -> Session:
 
 
 def claim(session: Session) -> None:
-    """Steps 3-5: the lock (rank 0 takes it, unless a launcher of ours holds it), a finished run
-    (``session.finished``; nothing else is done then), this rank's record, and, where the policy
-    says ``beats_itself`` (a ``--script``'s supervisor), its heartbeat (``session.beats``: in node
-    memory, or on that record across nodes; a Run beats through the store once its group is up:
-    :mod:`hpc_train.node.beats`). Raises
-    :class:`UsageError` for a busy run directory, naming the holder."""
+    """Steps 3-4: the lock (rank 0 takes it, unless a launcher of ours holds it) and a finished
+    run (``session.finished``; nothing else is done then). Raises :class:`UsageError` for a busy
+    run directory, naming the holder, having written nothing there: every file in it is the
+    holder's."""
     s, env, res = session, session.env, session._resources
     try:
         if env.rank == 0 and not launcher_holds_lock():
@@ -138,8 +137,21 @@ def claim(session: Session) -> None:
             res.callback(rundir.RunDirLock(s.run_dir, what).acquire().release)
             os.environ[rundir.LOCK_HELD_ENV] = str(os.getpid())   # a supervised script's init() must not take it
         s.finished = finished_result(s.run_dir)
-        if s.finished is not None:
-            return
+    except BaseException:
+        res.close()
+        raise
+
+
+def register(session: Session) -> None:
+    """Step 5: this rank's record (which replaces an earlier step's and removes that rank's
+    error file) and, where the policy says ``beats_itself`` (a ``--script``'s supervisor), its
+    heartbeat (``session.beats``: in node memory, or on that record across nodes; a Run beats
+    through the store once its group is up: :mod:`hpc_train.node.beats`). Only once the run
+    goes on, so that a start refused by a busy directory replaces nothing of the holder's: after
+    the process group is up (rank 0, refused, never joins it) or ``init()``'s verdict; a
+    supervisor, with no group, right after its claim."""
+    s, env, res = session, session.env, session._resources
+    try:
         ranks.begin(s.run_dir, env.rank, env.world_size)
         if s.policy.beats_itself:
             from hpc_train.node import beats

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
-from hpc_train.login.decide import AGAIN, TICK_S, USABLE, Budgets, Inputs, Nodes, decide, outside_requeues
+from hpc_train.login.decide import AGAIN, TICK_S, USABLE, Budgets, Inputs, Nodes, decide, outside_requeues, refused
 from hpc_train.login.nodes import PastRun, parse_runs
 from hpc_train.records.ranks import RankRecord
 from hpc_train.records.requeue import Incarnation, InPlace, Pending, Requeue, RequeueState
@@ -87,6 +87,15 @@ TABLE = [
     ("finished outranks a failure and a stop", base(finished=True, status=1, pending=pend()), "finished", None, 0),
     ("refusal", base(status=EXIT_USAGE), "refused", None, EXIT_USAGE),
     ("refusal with a stop request", base(status=EXIT_USAGE, pending=pend()), "refused", None, EXIT_USAGE),
+    # A busy directory's refusal whose srun passed on a peer's SIGKILL (9), none of its ranks begun
+    ("refusal by another run's lock, srun's 9", base(status=9, ranks={0: None, 1: None},
+                                                    held_by="Slurm job 3 (pid 5 on host n1)"),
+     "refused", None, EXIT_USAGE),
+    ("... with a stop request", base(status=9, ranks={0: None, 1: None}, pending=pend(),
+                                     held_by="Slurm job 3 (pid 5 on host n1)"), "refused", None, EXIT_USAGE),
+    # held by another, but a rank of this step began: its own failure, not a refusal
+    ("held, a rank began", base(status=9, ranks={0: rec(0), 1: None}, held_by="Slurm job 3 (pid 5 on host n1)"),
+     "in_place", "failure", AGAIN),
     ("preemption", base(status=0, pending=pend(), ranks={0: rec(0, ended="stopped"), 1: rec(1, ended="stopped")}),
      "requeue", "preemption", 0),
     ("time limit", base(status=0, pending=pend(), nominal_end=NOW + 100), "requeue", "timeout", 0),
@@ -323,7 +332,8 @@ def inputs(draw):
                 newest_step=draw(st.integers(0, 300)), own_checkpoint=draw(st.booleans()),
                 local_step=draw(st.one_of(st.none(), st.integers(0, 300))),
                 resume=draw(st.sampled_from(["latest", "none", "/elsewhere/checkpoints/step-4"])),
-                nodes=draw(st.one_of(st.none(), node_views())), errors=draw(ERRORS))
+                nodes=draw(st.one_of(st.none(), node_views())), errors=draw(ERRORS),
+                held_by=draw(st.one_of(st.none(), st.just("Slurm job 3 (pid 5 on host n1)"))))
 
 
 PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -340,7 +350,7 @@ def test_refusals_and_own_signal_stops_are_never_restarted_in_place(i):
     if i.finished:
         assert d.action == "finished"
         return
-    if i.status == EXIT_USAGE:
+    if refused(i):
         assert d.action == "refused" and d.restart is None and d.exit_code == EXIT_USAGE
         return
     if i.pending is not None and i.pending.signal == i.job_signal != "TERM":
