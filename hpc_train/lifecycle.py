@@ -208,11 +208,11 @@ def _prepare(s: session_mod.Session) -> str | None:
     """Rank 0: the run directory's lock (unless a launcher of ours holds it) and, where the
     policy says ``prelaunch`` (outside hpc_train's launchers, which did the rest before starting
     any process), the pre-launch sequence (:func:`hpc_train.ckpt.prelaunch.prelaunch`: the config
-    checked against the checkpoints', the resume plan, the config written). Every rank
-    registers once rank 0's verdict says the run goes on. After the group is up, so that a refusal reaches every rank at once: a rank
-    left waiting in the rendezvous would hang until dist.init_timeout_s (a plain srun does not
-    end it). Returns what refuses the run, or None. (A finished run was refused before:
-    ``HPC_TRAIN_RESUME=none`` starts it over.)"""
+    checked against the checkpoints', the resume plan, the config written); every rank
+    registers once rank 0's verdict says the run goes on. After the group is up, so that a
+    refusal reaches every rank at once: a rank left waiting in the rendezvous would hang until
+    dist.init_timeout_s (a plain srun does not end it). Returns what refuses the run, or None.
+    (A finished run was refused before: ``HPC_TRAIN_RESUME=none`` starts it over.)"""
     if not s.is_main:
         return None
     try:

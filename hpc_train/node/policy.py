@@ -1,7 +1,7 @@
 """What differs between the ways into a rank's life: one table, keyed by entry point.
 
 Every rank runs the same sequence (:mod:`hpc_train.node.session` and :mod:`hpc_train.lifecycle`:
-stop signals -> environment -> claim -> group -> prepare -> run -> end). What the entry points
+stop signals -> environment -> claim -> group -> prepare -> register -> run -> end). What the entry points
 do differently in it is here and nowhere else: who runs the pre-launch sequence, whether a stop
 escalates, whether the program's signal handlers come back, whether the process group is
 destroyed or left to the process's exit, who ends the process and with what. A reader of the

@@ -139,7 +139,7 @@ def test_every_outcome_s_exit_code_is_the_documented_one_through_submit_and_sbat
     # The refused job changed nothing of the run it was refused: the run stopped once, at its own
     # preemption, its budget spent by that alone.
     rd = tmp_path / "sbatch-stopped"
-    assert not (rd / "logs" / "rank-0.error").exists(), "the refused job wrote an error file into the run it was refused"
+    assert not (rd / "logs" / "rank-0.error").exists(), "the refused job wrote an error file into the holder's run"
     rec = json.loads((rd / "requeue.json").read_text())
     assert len(rec["events"]) == 1 and rec["counts"]["preemption"] == 0, rec
     assert (tmp_path / "submit-stopped" / "job.json").read_bytes() == held   # the refused submit wrote nothing
