@@ -173,6 +173,12 @@ def intact(path: Path) -> bool:
         return False
 
 
+def rank_records(run_dir: Path) -> dict[str, bytes]:
+    """Every rank's record of a run directory (``logs/.heartbeat/rank-R``), as bytes: what a
+    process refused by its lock must leave as it was."""
+    return {p.name: p.read_bytes() for p in (Path(run_dir) / "logs" / ".heartbeat").glob("rank-*")}
+
+
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """relative path -> (size, mtime_ns) of every file under root, but the run directory's lock
     (`.lock`: every command that may touch the directory takes it first and writes its own pid

@@ -119,9 +119,8 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         # without one of hpc_train's, is its own business (it keeps its own snapshots): unknown.
         newest_step=newest.step if newest is not None else None if script else 0, own_checkpoint=own,
         resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors,
-        past_runs=past, past_why=past_why, window_s=window_s,
+        past_runs=past, past_why=past_why, window_s=window_s, held_by=held_by,
         # The items this node sees: on a cluster, its own node's and the copies it keeps.
-        held_by=held_by,
         local_step=tiers.newest_step(tiers.local_items(run_dir, local_dir)) if asks and local_dir is not None else None)
     return inputs, history
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import clean_env, documented_exit, metric_lines, snapshot
+from helpers import clean_env, documented_exit, metric_lines, rank_records, snapshot
 
 # Every test here starts real training processes: not in `make test-fast`.
 pytestmark = pytest.mark.procs
@@ -144,11 +144,10 @@ def test_every_guarantee_on_every_local_path(path, tmp_path):
     try:
         wait_for_step(rd, 3, first)
         # busy: refused at once, naming the holder; the first goes on, its records untouched
-        records = {p.name: p.read_bytes() for p in (rd / "logs" / ".heartbeat").glob("rank-*")}
+        records = rank_records(rd)
         argv2, env2, cwd2 = command(path, tmp_path, rd, slow=True)
         code2, err2 = finish(start(argv2, env2, cwd2), timeout=120)
-        assert {p.name: p.read_bytes() for p in (rd / "logs" / ".heartbeat").glob("rank-*")} == records, \
-            "the refused process rewrote the running one's rank records"
+        assert rank_records(rd) == records, "the refused process rewrote the running one's rank records"
         assert code2 == documented_exit("refused", column(path)) and "is in use by" in err2, (code2, err2[-3000:])
         assert "Traceback" not in err2 or path == "torchrun", err2[-3000:]   # torchrun prints its own
         assert first.poll() is None, "the first run was harmed by the refused second one"

@@ -129,6 +129,22 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def last_step(run_dir: Path) -> int:
+    """The last step a run logged a loss for (0 before its first)."""
+    try:
+        return max(losses(run_dir), default=0)
+    except FileNotFoundError:
+        return 0
+
+
+def wait_steps(run_dir: Path, at_least: int, timeout: float) -> None:
+    """Until the run has logged step ``at_least``; fails past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while last_step(run_dir) < at_least:
+        assert time.monotonic() < deadline, f"no progress past step {last_step(run_dir)} in {run_dir}"
+        time.sleep(0.5)
+
+
 def damage_shared_tier(run_dir: Path) -> list[Path]:
     """Flip a bit in every file of every complete shared checkpoint but its commit record: a
     restore that read any of them would fail its checksums and say so."""

@@ -17,24 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import PY, ROOT, losses
+from slurm_helpers import PY, ROOT, wait_steps
 
 pytestmark = pytest.mark.slurm
 
 BASE = [str(ROOT / "jobs" / "digits.yaml"), "--set", "train.log_every=1", "--set", "log.tensorboard=false",
         "--set", "train.eval=false", "--set", "log.progress=lines"]
-
-
-def _wait_steps(run_dir: Path, at_least: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if max(losses(run_dir), default=0) >= at_least:
-                return
-        except FileNotFoundError:
-            pass
-        assert time.monotonic() < deadline, f"no progress to step {at_least} in {run_dir}"
-        time.sleep(0.5)
 
 
 def _jobs(slurm) -> list[str]:
@@ -48,7 +36,7 @@ def test_spent_preemption_budget_stops_without_a_requeue(slurm, tmp_path):
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     slurm.wait_state(job, {"RUNNING"}, 120)
-    _wait_steps(run_dir, 50, 180)
+    wait_steps(run_dir, 50, 180)
     slurm.preempt_all()
     final = slurm.wait_done(job, 180)
     runs = slurm.sacct(job)
@@ -112,7 +100,7 @@ def test_submit_refuses_a_directory_whose_last_job_is_live(slurm, tmp_path, stat
             assert slurm.wait_state(job, {"PENDING", "RUNNING"}, 60) == "PENDING"
         else:
             slurm.wait_state(job, {"RUNNING"}, 120)
-            _wait_steps(run_dir, 5, 180)
+            wait_steps(run_dir, 5, 180)
         job_json, config = (run_dir / "job.json").read_text(), (run_dir / "config.yaml").read_bytes()
         queued = _jobs(slurm)
         again = slurm.cli("submit", *BASE, "--nodes", "1", "--run-dir", run_dir)

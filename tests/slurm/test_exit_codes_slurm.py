@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
-from helpers import documented_exit
-from slurm_helpers import ROOT, losses
+from helpers import documented_exit, rank_records
+from slurm_helpers import ROOT, wait_steps
 
 pytestmark = pytest.mark.slurm
 
@@ -69,22 +68,6 @@ def _status(slurm, rd: Path) -> str:
     return r.stdout
 
 
-def _rank_records(rd: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in (rd / "logs" / ".heartbeat").glob("rank-*")}
-
-
-def _wait_steps(rd: Path, at_least: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if max(losses(rd), default=0) >= at_least:
-                return
-        except FileNotFoundError:
-            pass
-        assert time.monotonic() < deadline, f"no progress to step {at_least} in {rd}"
-        time.sleep(0.5)
-
-
 def test_every_outcome_s_exit_code_is_the_documented_one_through_submit_and_sbatch(slurm, tmp_path):
     marker = tmp_path / "FAIL"
     marker.write_text("fail")
@@ -93,17 +76,17 @@ def test_every_outcome_s_exit_code_is_the_documented_one_through_submit_and_sbat
             for outcome in ("stopped", "finished", "failed") for path in ("submit", "sbatch")}
     for path in ("submit", "sbatch"):
         slurm.wait_state(jobs[path, "stopped"], {"RUNNING"}, 180)
-        _wait_steps(tmp_path / f"{path}-stopped", 3, 180)
+        wait_steps(tmp_path / f"{path}-stopped", 3, 180)
     held = (tmp_path / "submit-stopped" / "job.json").read_bytes()
 
     # Refused: submit into the running job's directory exits 2 and submits nothing; the same
     # rendered script submitted again is a job refused by the run directory's lock.
     again = slurm.cli("submit", *BASE, *OUTCOME_FLAGS["stopped"], "--run-dir", tmp_path / "submit-stopped")
     assert again.returncode == documented_exit("refused", "slurm") and "Traceback" not in again.stderr, again.stderr
-    records = _rank_records(tmp_path / "sbatch-stopped")
+    records = rank_records(tmp_path / "sbatch-stopped")
     dup = _sbatch(slurm, tmp_path / "stopped.sbatch", {})
     slurm.wait_done(dup, 300)
-    assert _rank_records(tmp_path / "sbatch-stopped") == records, "the refused job rewrote the holder's rank records"
+    assert rank_records(tmp_path / "sbatch-stopped") == records, "the refused job rewrote the holder's rank records"
     for key in (("submit", "finished"), ("sbatch", "finished"), ("submit", "failed"), ("sbatch", "failed")):
         slurm.wait_done(jobs[key], 300)
     slurm.preempt_all()

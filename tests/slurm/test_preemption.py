@@ -12,27 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import ROOT, assert_bitwise, damage_shared_tier, export, losses, metric_lines
+from slurm_helpers import (ROOT, assert_bitwise, damage_shared_tier, export, losses, metric_lines,
+                           last_step, wait_steps)
 
 pytestmark = pytest.mark.slurm
 
 # Long enough to be preempted twice: 800 steps of the ConvNet on digits, about 25 s of steps.
 BASE = [str(ROOT / "jobs" / "digits.yaml"), "--set", "train.log_every=1", "--set", "log.tensorboard=false",
         "--set", "train.eval=false", "--set", "log.progress=lines"]
-
-
-def _steps(run_dir: Path) -> int:
-    try:
-        return max(losses(run_dir), default=0)
-    except FileNotFoundError:
-        return 0
-
-
-def _wait_steps(run_dir: Path, at_least: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while _steps(run_dir) < at_least:
-        assert time.monotonic() < deadline, f"no progress past step {_steps(run_dir)} in {run_dir}"
-        time.sleep(0.5)
 
 
 def _stop_resume_pairs(run_dir: Path) -> list[tuple[int, int]]:
@@ -72,7 +59,7 @@ def test_preempted_twice_resumes_bitwise_with_no_step_lost(slurm, reference, tmp
     preempt_at = [200, 560]
     for i, step in enumerate(preempt_at):
         slurm.wait_state(job.job_id, {"RUNNING"}, 120)
-        _wait_steps(run_dir, step, 180)
+        wait_steps(run_dir, step, 180)
         slurm.preempt_all()
     result = job.results()[0]       # submitit sees the final run's result, not a stopped one
     assert result["steps"] == STEPS and not result["stopped"]
@@ -186,8 +173,8 @@ def test_requeue_of_an_array_task_requeues_only_that_task(slurm, tmp_path):
     task_dirs = [Path(d) for d in re.findall(r" -> (.+)$", r.stdout, re.MULTILINE)]
     for t in tasks:
         slurm.wait_state(t, {"RUNNING"}, 120)
-    _wait_steps(task_dirs[0], 100, 120)
-    _wait_steps(task_dirs[1], 300, 120)
+    wait_steps(task_dirs[0], 100, 120)
+    wait_steps(task_dirs[1], 300, 120)
     slurm.run("scancel", "--signal=USR2", tasks[0], check=True)   # what a preemption sends to one task
     line = next(x for x in (task_dirs[1] / "logs" / "rank-0.log").read_text().splitlines() if "on-node" in x)
     os.kill(int(re.search(r"pid (\d+)", line).group(1)), signal.SIGKILL)
@@ -222,7 +209,7 @@ def _two_node_job_at(slurm, run_dir: Path, max_steps: int, timeout_s: int, step:
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)
     slurm.wait_state(job, {"RUNNING"}, 120)
-    _wait_steps(run_dir, step, 180)
+    wait_steps(run_dir, step, 180)
     line = next(x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if "on-node" in x)
     return job, int(re.search(r"pid (\d+)", line).group(1))
 
@@ -322,7 +309,7 @@ def test_a_killed_rank_and_a_lost_node_are_recovered_in_place_bitwise(slurm, ref
     job, pid = _two_node_job_at(slurm, run_dir, STEPS, timeout_s, 300, "--set", "job.spare_nodes=1",
                                 "--set", "checkpoint.local_every_steps=5", "--set", "job.standby=true")
     crashed = _host_of(run_dir, 1)
-    seen = _steps(run_dir)    # rank 0 logs a step after its step_end, which rank 1 had joined
+    seen = last_step(run_dir)    # rank 0 logs a step after its step_end, which rank 1 had joined
     os.kill(pid, signal.SIGKILL)
     killed_at = time.time()
     assert any(f.suffix == ".distcp" for f in damage_shared_tier(run_dir))
@@ -376,7 +363,7 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_nodes(slurm, tmp_path):
     assert "#SBATCH --no-kill" in script.read_text()
     job = slurm.run("sbatch", "--parsable", str(script), check=True, cwd=tmp_path).stdout.strip()
     slurm.wait_state(job, {"RUNNING"}, 120)
-    _wait_steps(run_dir, 300, 180)
+    wait_steps(run_dir, 300, 180)
     lost = _host_of(run_dir, 1)
     with _node_down(slurm, lost):
         log0 = _assert_recovered_in_place(slurm, job, run_dir, steps)
