@@ -1,26 +1,31 @@
 """Where the node-local checkpoint tier lives, and the rules of its config (torch-free).
 
 The local tier (:mod:`hpc_train.ckpt.local`) keeps each rank's whole state in its own node's
-memory or disk. Its directory is a pure function of the config, the environment and two facts
-of the process (its parent's pid, the host's name), so that the worker that saves, the one
+memory or disk. Its directory is a pure function of the config, the environment, the run directory and two
+facts of the process (its parent's pid, the host's name), so that the worker that saves, the one
 restarted in place that restores, the launcher and the batch script that remove it, and
 ``ckpt list`` all name the same path without passing it around::
 
-    BASE/hpc_train-ID/NODE/rank-R/step-N/     a rank's own items (DCP files, app.pt, rank-R.pt, commit.json)
-    BASE/hpc_train-ID/NODE/copies/rank-R/step-N/  a copy of rank R's item, R on the previous node (hpc_train.ckpt.peer)
-    BASE/hpc_train-ID/NODE/.beats/rank-R          a ``--script`` supervisor's heartbeat (hpc_train.node.beats)
+    BASE/hpc_train-ID/RUN/NODE/rank-R/step-N/     a rank's own items (DCP files, app.pt, rank-R.pt, commit.json)
+    BASE/hpc_train-ID/RUN/NODE/copies/rank-R/step-N/  a copy of rank R's item, R on the previous node (hpc_train.ckpt.peer)
+    BASE/hpc_train-ID/RUN/NODE/.beats/rank-R          a ``--script`` supervisor's heartbeat (hpc_train.node.beats)
 
 * BASE: ``checkpoint.local_dir``, else ``$SLURM_TMPDIR``, else ``$TMPDIR``, else ``/dev/shm``.
-* ID: the Slurm job id (the same across in-place restarts, which are new job steps; an array
-  task has a job id of its own), else ``p<parent pid>``: the ``run`` launcher or torchrun's
-  agent, which outlive the workers they restart. A plain ``python train.py`` gets its shell's
-  pid: a restore also checks the run directory recorded in each item.
+* ID: under ``run``, ``p<launcher pid>``, which the launcher hands its workers (and a
+  ``--script``'s supervisors hand their programs) in the environment, so that the launcher removes
+  all of it at the end, whoever wrote it; else the Slurm job id (the same across in-place
+  restarts, which are new job steps; an array task has a job id of its own); else ``p<parent
+  pid>``: torchrun's agent, which outlives the workers it restarts, or a plain ``python
+  train.py``'s shell.
+* RUN: ``run-`` and a digest of the run directory's real path: two runs of one job (two ``srun``
+  steps of one allocation) or of one shell keep their items apart, and each removes only its own.
 * NODE: ``SLURMD_NODENAME``, else the host name. The local dev cluster's nodes share one disk,
   so a path per node keeps what each "node" holds apart, as real node-local storage would.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import socket
@@ -73,37 +78,70 @@ def base_dir(local_dir: str, env: Mapping[str, str]) -> Path:
     return Path(local_dir or env.get("SLURM_TMPDIR") or env.get("TMPDIR") or DEFAULT_BASE)
 
 
-def run_id(env: Mapping[str, str], ppid: int) -> str:
+def run_id(env: Mapping[str, str], ppid: int, launcher: str | None = None) -> str:
+    """ID: ``launcher`` (the ``run`` launcher's, as its workers inherit it), the Slurm job id, or
+    ``p<ppid>``."""
     job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-    return job if job else f"p{ppid}"
+    return launcher or job or f"p{ppid}"
+
+
+def launcher_id(pid: int) -> str:
+    """The ID a ``run`` launcher of process ``pid`` hands its workers."""
+    return f"p{pid}"
+
+
+def run_key(run_dir: Path | str) -> str:
+    """RUN: the run directory's real path, as a short digest (a path may hold any character)."""
+    return "run-" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
 def node_name(env: Mapping[str, str], hostname: str | None = None) -> str:
     return env.get("SLURMD_NODENAME") or hostname or socket.gethostname()
 
 
-def job_dir(local_dir: str, env: Mapping[str, str], ppid: int) -> Path:
+def job_dir(local_dir: str, env: Mapping[str, str], ppid: int, launcher: str | None = None) -> Path:
     """``BASE/hpc_train-ID``: what the launcher and the batch script remove at the end."""
-    return base_dir(local_dir, env) / f"{PREFIX}{run_id(env, ppid)}"
+    return base_dir(local_dir, env) / f"{PREFIX}{run_id(env, ppid, launcher)}"
 
 
 def as_workers_see(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without Slurm's variables, as the ``run`` launcher's workers get it: the launcher
-    names their node directories (ID: its own pid) through this."""
+    """``env`` without Slurm's variables, as the ``run`` launcher's workers get it."""
     return {k: v for k, v in env.items() if not k.startswith("SLURM_")}
 
 
-def node_dir(local_dir: str, env: Mapping[str, str], ppid: int, hostname: str | None = None) -> Path:
-    return job_dir(local_dir, env, ppid) / node_name(env, hostname)
+def node_dir(job: Path, run_dir: Path | str, env: Mapping[str, str], hostname: str | None = None) -> Path:
+    """``BASE/hpc_train-ID/RUN/NODE``: the run's directory on this node, under ``job``."""
+    return job / run_key(run_dir) / node_name(env, hostname)
+
+
+def made_dirs(node: Path) -> tuple[Path, Path, Path]:
+    """The directories a node directory's first user makes under BASE (the job's, the run's, the
+    node's), parents first: the same ones its last user removes when they are left empty."""
+    return node.parent.parent, node.parent, node
+
+
+def base_of(node: Path) -> Path:
+    return node.parent.parent.parent
 
 
 def rank_dir(node: Path, rank: int) -> Path:
     return node / f"rank-{rank}"
 
 
-def this_process(local_dir: str) -> Path:
-    """This process's node directory (as a worker sees it: its parent is the launcher)."""
-    return node_dir(local_dir, os.environ, os.getppid())
+def this_process(local_dir: str, run_dir: Path | str, launcher: str | None) -> Path:
+    """This process's node directory of ``run_dir`` (a worker's parent is its launcher;
+    ``launcher``: the ``run`` launcher's ID from this process's environment, if any)."""
+    return node_dir(job_dir(local_dir, os.environ, os.getppid(), launcher), run_dir, os.environ)
+
+
+def remove_empty(node: Path) -> None:
+    """The node's, the run's and the job's directories, each once left empty (another rank's,
+    another run's items keep theirs)."""
+    for d in reversed(made_dirs(node)):
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 def visible_bases(local_dir: str, env: Mapping[str, str]) -> list[Path]:

@@ -83,7 +83,7 @@ class LocalTier:
         self.rank, self.world = rank, world_size
         self.run_dir = Path(run_dir).resolve()
         self.record = dict(record or {})
-        self.node = node or config_local.this_process(cfg.local_dir)
+        self.node = node or tiers.node_here(cfg.local_dir, self.run_dir)
         self.dir = config_local.rank_dir(self.node, rank)
         self.off: str | None = None
         self.pending: tuple[Future, int, Path] | None = None
@@ -115,7 +115,7 @@ class LocalTier:
             log.warning("local checkpoint tier off for this run: %s; training and the shared tier go on", reason)
 
     def _where(self) -> str | None:
-        base = self.node.parent.parent
+        base = config_local.base_of(self.node)
         if not base.is_dir():
             return f"{base} does not exist or is not a directory"
         if self.run_dir == base.resolve() or self.run_dir in base.resolve().parents:
@@ -124,7 +124,7 @@ class LocalTier:
 
     def _setup(self) -> str | None:
         try:
-            bad = config_local.private_dirs(self.node.parent, self.node, self.dir)   # never through a symlink
+            bad = config_local.private_dirs(*config_local.made_dirs(self.node), self.dir)   # never through a symlink
             if bad:
                 return bad
             probe = self.dir / ".probe"
@@ -369,7 +369,7 @@ class LocalTier:
     def close(self, remove: bool = False) -> None:
         """Finish the save in flight. ``remove``: the run finished or stopped, so nothing here
         can serve again (an in-place restart follows only a failure): this rank's directory goes,
-        and the node's and the job's with it once empty."""
+        and the node's, the run's and the job's with it once empty."""
         self.wait()
         if self._pool is not None:
             self._pool.shutdown()
@@ -378,8 +378,4 @@ class LocalTier:
             shutil.rmtree(self.dir, ignore_errors=True)
             if self.peers is not None:
                 self.peers.remove()
-            for d in (self.node, self.node.parent):
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
+            config_local.remove_empty(self.node)

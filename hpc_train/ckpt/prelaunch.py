@@ -29,7 +29,7 @@ from typing import Any
 from hpc_train import config as config_mod
 from hpc_train import config_local, rundir
 from hpc_train.advice import FLAGS, Advice
-from hpc_train.ckpt import compat, store
+from hpc_train.ckpt import compat, store, tiers
 from hpc_train.config import Config
 from hpc_train.errors import UsageError
 
@@ -98,7 +98,7 @@ def _local_items_here(run_dir: Path, cfg: Config | None) -> bool:
     (rank 0's: the pre-launch runs on rank 0; every rank's is checked by the restore)."""
     if cfg is None or not config_local.enabled(cfg.checkpoint):
         return False
-    mine = config_local.rank_dir(config_local.this_process(cfg.checkpoint.local_dir), 0)
+    mine = config_local.rank_dir(tiers.node_here(cfg.checkpoint.local_dir, run_dir), 0)
     resolved = str(Path(run_dir).resolve())
     return any(info.complete and info.record.get("run_dir") == resolved
                for info in map(store.inspect, mine.glob("step-*")))

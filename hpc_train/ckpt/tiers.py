@@ -14,10 +14,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_train import config_local
+from hpc_train import config_local, rundir
 from hpc_train.ckpt import store
 
 TIER = "local"   # the commit record's "tier" (hpc_train.ckpt.local writes it)
+
+
+def node_here(local_dir: str, run_dir: Path | str) -> Path:
+    """This process's node directory of ``run_dir``'s local tier (:mod:`hpc_train.config_local`),
+    with the ``run`` launcher's ID when this process descends from one."""
+    return config_local.this_process(local_dir, run_dir, os.environ.get(rundir.LOCAL_ID_ENV))
 
 
 @dataclass(frozen=True)
@@ -36,11 +42,13 @@ def local_items(run_dir: Path, local_dir: str, env: Mapping[str, str] | None = N
     """Every complete-or-not local item of ``run_dir`` under the bases this machine can see,
     newest first; never through a symlinked directory."""
     mine = str(Path(run_dir).resolve())
+    key = config_local.run_key(mine)
     out: list[LocalItem] = []
     for base in config_local.visible_bases(local_dir, os.environ if env is None else env):
-        for path in sorted([*base.glob(f"{config_local.PREFIX}*/*/rank-*/step-*"),
-                            *base.glob(f"{config_local.PREFIX}*/*/{config_local.COPIES}/rank-*/step-*")]):
-            if any(p.is_symlink() for p in (path, path.parent, path.parent.parent)):
+        for path in sorted([*base.glob(f"{config_local.PREFIX}*/{key}/*/rank-*/step-*"),
+                            *base.glob(f"{config_local.PREFIX}*/{key}/*/{config_local.COPIES}/rank-*/step-*")]):
+            rel = path.relative_to(base)
+            if any((base / q).is_symlink() for q in (rel, *rel.parents[:-1])):
                 continue
             info = store.inspect(path)
             if info.record.get("tier") != TIER or info.record.get("run_dir") != mine:

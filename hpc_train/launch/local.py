@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpc_train import rundir
+from hpc_train import config_local, rundir
 from hpc_train.errors import says_peer_lost
 
 GRACE_S = 10.0   # after a failure, how long the surviving ranks get to exit before SIGKILL (they cannot save: a save needs every rank)
@@ -69,7 +69,7 @@ def _spawn(nproc: int, config_path: Path, run_dir: Path, resume: str, port: int,
         env = {**os.environ, rundir.LAUNCHER_ENV: "local", rundir.LAUNCHED_AT_ENV: launched_at,
                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-               rundir.RESUME_ENV: resume}
+               rundir.RESUME_ENV: resume, rundir.LOCAL_ID_ENV: config_local.launcher_id(os.getpid())}
         # Slurm variables would make a worker think it is a Slurm task of some other job.
         for k in [k for k in env if k.startswith("SLURM_")]:
             del env[k]
@@ -266,17 +266,17 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
 
 def _remove_local_tier(config_path: Path) -> None:
     """The run's node-local checkpoint tier (hpc_train.ckpt.local) ends with the run: this launch's
-    directory (named by this process's pid, the workers' parent; the workers see no SLURM_*) under
-    the config's checkpoint.local_dir and under the default base (a script may set its own), even
-    after a failure (nothing restarts a `run` in place) or a kill of the workers."""
+    directory (named by the ID this process handed its workers, which their --script's programs
+    inherit) under the config's checkpoint.local_dir and under the default base (a script may set
+    its own), even after a failure (nothing restarts a `run` in place) or a kill of the workers."""
     import shutil
-    from hpc_train import config as config_mod, config_local
-    env = config_local.as_workers_see(os.environ)
+    from hpc_train import config as config_mod
+    env, me = config_local.as_workers_see(os.environ), config_local.launcher_id(os.getpid())
     try:
-        dirs = {config_local.job_dir(config_mod.load(config_path).checkpoint.local_dir, env, os.getpid())}
+        dirs = {config_local.job_dir(config_mod.load(config_path).checkpoint.local_dir, env, os.getpid(), me)}
     except Exception:  # noqa: BLE001 - an unreadable config: the default base is still cleaned
         dirs = set()
-    for d in dirs | {config_local.job_dir("", env, os.getpid())}:
+    for d in dirs | {config_local.job_dir("", env, os.getpid(), me)}:
         shutil.rmtree(d, ignore_errors=True)
 
 

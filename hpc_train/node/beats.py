@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 from hpc_train import config_local
+from hpc_train.ckpt import tiers
 from hpc_train.node import liveness
 from hpc_train.records import ranks
 
@@ -129,7 +130,7 @@ class NodeBeats(_Beater):
 
     def start(self):
         try:
-            bad = config_local.private_dirs(self.dir.parent.parent, self.dir.parent, self.dir)
+            bad = config_local.private_dirs(*config_local.made_dirs(self.dir.parent), self.dir)
         except OSError as e:
             bad = f"{self.dir} cannot be made ({e.strerror or type(e).__name__})"
         if bad:
@@ -166,11 +167,11 @@ class NodeBeats(_Beater):
                 self._path.unlink()
             except OSError:
                 pass
-            for d in (self.dir, self.dir.parent, self.dir.parent.parent):
-                try:
-                    d.rmdir()
-                except OSError:   # not empty (another rank beats there, a local tier's items): kept
-                    break
+            try:
+                self.dir.rmdir()
+            except OSError:   # not empty (another rank beats there): kept
+                return
+            config_local.remove_empty(self.dir.parent)   # each left empty (a local tier's items keep theirs)
 
     def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
         now = time.time() if now is None else now
@@ -187,15 +188,16 @@ def for_script(env, run_dir: Path, local_dir: str) -> _Beater:
     """A ``--script`` supervisor's heartbeat (started): in node memory when every rank runs on
     this node, else on its record. ``local_dir``: ``checkpoint.local_dir``, where node memory is."""
     if env.local_world_size == env.world_size:
-        return NodeBeats(config_local.this_process(local_dir), run_dir, env.rank).start()
+        return NodeBeats(tiers.node_here(local_dir, run_dir), run_dir, env.rank).start()
     return FileBeats(run_dir, env.rank).start()
 
 
 def script_reader(run_dir: Path, local_dir: str, launcher_pid: int) -> _Beater:
     """What the ``run`` launcher reads its ``--script`` workers' beats with (never started): the
     node directory its workers name from their parent's pid, this process's."""
-    return NodeBeats(config_local.node_dir(local_dir, config_local.as_workers_see(os.environ), launcher_pid),
-                     run_dir, -1)
+    env = config_local.as_workers_see(os.environ)
+    job = config_local.job_dir(local_dir, env, launcher_pid, config_local.launcher_id(launcher_pid))
+    return NodeBeats(config_local.node_dir(job, run_dir, env), run_dir, -1)
 
 
 class StoreBeats(_Beater):

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 from helpers import REPO, clean_env, hpc, show, write_config
+from hpc_train import config_local
 
 STEPS, KILL_AT = 12, 7
 WRAPPER = f"""import sys
@@ -129,6 +131,59 @@ def test_a_rank_killed_in_place_restores_from_its_node_bitwise(tmp_path, referen
     assert list((tmp_path / "shm").iterdir()) == []
 
 
+def _python(cwd: Path, shm: Path, kill: bool) -> subprocess.CompletedProcess:
+    """A plain ``python loop.py STEPS KILL_AT LOCAL_DIR`` (one rank, run directory ``cwd/runs/loop``),
+    started by this process: every such run has the same parent, as runs started from one shell do.
+    ``kill``: its rank 0 is killed at KILL_AT (the arguments, part of the config, stay the same)."""
+    cwd.mkdir(exist_ok=True)
+    (cwd / "loop.py").write_text(WRAPPER)
+    return subprocess.run([sys.executable, "loop.py", str(STEPS), str(KILL_AT), str(shm)], cwd=cwd,
+                          env=clean_env(LOCAL_TIER_KILL_RANK="0" if kill else "1"), capture_output=True, text=True,
+                          timeout=180)
+
+
+@pytest.mark.procs
+def test_two_runs_of_one_shell_keep_their_own_items_and_each_restores_from_its_own(tmp_path):
+    """Issue 49.2: two runs from one shell share the node-local tier's job ID (their parent's pid).
+    Run B crashes at step 7 (its items: steps 3 and 6; the shared tier: 4); run A then runs to its
+    end, which removes its own items; B's are still there, and B's restart resumes from its own
+    step 6, bitwise equal to A (the same loop, never killed). Both finished: nothing is left."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    from hpc_train.ckpt import tiers
+    crashed = _python(tmp_path / "b", shm, True)
+    assert crashed.returncode == -signal.SIGKILL, show(crashed)
+    rd_a, rd_b = tmp_path / "a" / "runs" / "loop", tmp_path / "b" / "runs" / "loop"
+    held = lambda: sorted(i.info.step for i in tiers.local_items(rd_b, str(shm), env={}))   # noqa: E731
+    assert held() == [3, 6]
+    a = _python(tmp_path / "a", shm, False)
+    assert a.returncode == 0, show(a)
+    assert held() == [3, 6], list(shm.rglob("*"))
+    b = _python(tmp_path / "b", shm, False)
+    assert b.returncode == 0, show(b)
+    assert re.search(r"resumed from step 6 \(\S+/rank-0/step-6\), saved at world size 1 \(local tier", _logs(rd_b)), \
+        _logs(rd_b)
+    _assert_bitwise(torch.load(rd_b / "final.pt", weights_only=True), torch.load(rd_a / "final.pt", weights_only=True))
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.procs
+def test_a_failed_run_script_leaves_nothing_under_the_local_tier_s_base(tmp_path):
+    """Issue 49.2: under ``run --script`` each rank's program is a child of its supervisor, and
+    names its tier by the launcher's ID that it inherits; rank 1 is killed after its local saves,
+    the run fails, and the launcher removes all of it: nothing is left in node memory."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (tmp_path / "loop.py").write_text(WRAPPER)
+    p = hpc("run", "--script", tmp_path / "loop.py", "--nproc", "2", "--run-dir", tmp_path / "run",
+            "--set", f"checkpoint.local_dir={shm}", "--", str(STEPS), str(KILL_AT), str(shm))
+    assert p.returncode == 1, show(p)
+    logs = _logs(tmp_path / "run")
+    assert len(re.findall(r"local checkpoint tier: step 3 to " + re.escape(str(shm)), logs)) == 2, logs
+    assert "rank 1" in p.stderr and (tmp_path / "run" / "local-steps-1.json").exists(), show(p)
+    assert list(shm.iterdir()) == []
+
+
 @pytest.mark.procs
 def test_the_tier_is_never_built_inside_ddp_s_communication_hook(tmp_path):
     """A loop that never restores (the tier is not built by restore): the step's votes are read
@@ -214,13 +269,13 @@ def test_the_trainer_saves_local_items_in_dev_shm_and_leaves_none(tmp_path):
     assert p.returncode == 0, show(p)
     assert (rd / "result.json").exists()
     logs = _logs(rd)
-    saved = re.findall(r"local checkpoint tier: step 2 to (/dev/shm/hpc_train-p\d+/[^/]+/rank-(\d))", logs)
+    saved = re.findall(r"local checkpoint tier: step 2 to (/dev/shm/hpc_train-p\d+/run-[0-9a-f]+/[^/]+/rank-(\d))", logs)
     assert sorted(r for _, r in saved) == ["0", "1"], logs
     # One node: no peer node for checkpoint.local_replicas' copies (default 1), said once.
     off = [ln for ln in logs.splitlines() if "copies on a peer node are off: the run has one node" in ln]
     assert len(off) == 1 and off[0].startswith("[rank 0]"), logs
     # This run's own area (named by its launcher's pid): other runs may be using /dev/shm meanwhile.
-    job_dir = Path(saved[0][0]).parent.parent
+    job_dir = Path(saved[0][0]).parent.parent.parent
     assert job_dir.parent == Path("/dev/shm") and not job_dir.exists(), job_dir
 
 
@@ -377,7 +432,7 @@ def test_a_symlink_among_the_local_items_is_neither_listed_nor_removed_through(t
     base.mkdir()
     run_dir.mkdir()
     cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
-    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
+    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=config_local.node_dir(base / "hpc_train-1", run_dir, {}, "node0"))
     assert tier.off is None
     model = torch.nn.Linear(2, 2)
     state = {"model": model, "step": 3}
@@ -407,7 +462,7 @@ def test_the_newest_items_are_kept_across_saves_and_a_restore(tmp_path):
     base.mkdir()
     run_dir.mkdir()
     cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
-    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
+    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=config_local.node_dir(base / "hpc_train-1", run_dir, {}, "node0"))
     model = torch.nn.Linear(2, 2)
     state, kinds = {"model": model, "step": 0}, {"model": "module", "step": "plain"}
 
@@ -451,7 +506,7 @@ def test_a_pruned_item_s_files_are_overwritten_by_the_next_save_never_through_a_
     base.mkdir()
     run_dir.mkdir()
     cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
-    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=base / "hpc_train-1" / "node0")
+    tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 1, node=config_local.node_dir(base / "hpc_train-1", run_dir, {}, "node0"))
     model = torch.nn.Linear(64, 64)
     state, kinds = {"model": model, "step": 0}, {"model": "module", "step": "plain"}
 

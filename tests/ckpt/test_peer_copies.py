@@ -118,7 +118,7 @@ def test_copies_carry_their_own_commit_record_and_checksums_and_ckpt_list_shows_
     sent = re.findall(r"local checkpoint tier: step 3 to \S+/(fake[AB])/rank-(\d) .*; copies to rank (\d)", logs)
     assert sorted((r, b) for _, r, b in sent) == [("0", "1"), ("1", "0")], logs
     assert {n for n, _, _ in sent} == {"fakeA", "fakeB"}, logs
-    copies = sorted((tmp_path / "shm").glob("hpc_train-*/fake*/copies/rank-*/step-*"))
+    copies = sorted((tmp_path / "shm").glob("hpc_train-*/run-*/fake*/copies/rank-*/step-*"))
     assert sorted((c.parent.parent.parent.name, c.name) for c in copies) == \
         [(n, f"step-{s}") for n in ("fakeA", "fakeB") for s in (3, 6)], copies
     for c in copies:

@@ -169,7 +169,7 @@ def test_a_script_s_supervisors_beat_in_node_memory_not_on_the_run_directory(tmp
         time.sleep(3 * liveness.BEAT_S)
         assert p.poll() is None, p.communicate(timeout=30)
         assert [r.stat().st_mtime_ns for r in recs] == before
-        found = sorted(node_mem.glob("hpc_train-p*/*/.beats/rank-*"))
+        found = sorted(node_mem.glob("hpc_train-p*/run-*/*/.beats/rank-*"))
         assert [f.name for f in found] == ["rank-0", "rank-1"], found
         assert all(time.time() - f.stat().st_mtime < 2 * liveness.BEAT_S for f in found)
         assert oct(found[0].parent.stat().st_mode & 0o777) == "0o700"
@@ -183,7 +183,7 @@ def test_node_beats_are_read_back_and_a_missing_one_from_the_record(tmp_path):
     """Two ranks beat in node memory; a third that never made its file there is read from its
     rank record (where it beats when node memory is refused)."""
     from hpc_train.records import ranks
-    node, rd = tmp_path / "mem" / "hpc_train-p1" / "n1", tmp_path / "run"
+    node, rd = tmp_path / "mem" / "hpc_train-p1" / "run-a" / "n1", tmp_path / "run"
     (tmp_path / "mem").mkdir()
     ranks.begin(rd, 2, 3)
     ranks_here = [beats.NodeBeats(node, rd, r).start() for r in (0, 1)]
@@ -215,7 +215,7 @@ def test_node_memory_that_is_not_ours_is_refused_and_the_rank_beats_on_its_recor
     rec = ranks.path(rd, 0)
     os.utime(rec, (1, 1))
     with caplog.at_level("WARNING", logger="hpc_train"):
-        b = beats.NodeBeats(mem / "hpc_train-p1" / "n1", rd, 0).start()
+        b = beats.NodeBeats(mem / "hpc_train-p1" / "run-a" / "n1", rd, 0).start()
     b.stop()
     assert list(elsewhere.iterdir()) == []
     assert rec.stat().st_mtime > 1

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpc_train import goodput, logs, rundir
+from hpc_train import config_local, goodput, logs, rundir
 from hpc_train.ckpt import store, tiers
 from hpc_train.login import nodes
 from hpc_train.records import jobs, ranks, requeue, result, stop
@@ -59,8 +59,12 @@ def _metrics(rd: Path) -> Path:
     return rd / rundir.METRICS
 
 
+def _local_node(rd: Path) -> Path:
+    return config_local.node_dir(rd / "shm" / "hpc_train-1", rd, {}, "node0")
+
+
 def _local_commit(rd: Path) -> Path:
-    return rd / "shm" / "hpc_train-1" / "node0" / "rank-0" / "step-3" / "commit.json"
+    return _local_node(rd) / "rank-0" / "step-3" / "commit.json"
 
 
 def _read_metrics(rd: Path) -> object:
@@ -99,8 +103,8 @@ def test_listings_take_any_step_or_rank_name(tmp_path, name):
     if name in (".", ".."):
         return
     rd = tmp_path / "run"
-    made = [store.ckpt_root(rd) / f"step-{name}", rd / "shm" / "hpc_train-1" / "node0" / f"rank-{name}" / "step-2",
-            rd / "shm" / "hpc_train-1" / "node0" / "rank-0" / f"step-{name}", rundir.rank_error(rd, 0).parent]
+    made = [store.ckpt_root(rd) / f"step-{name}", _local_node(rd) / f"rank-{name}" / "step-2",
+            _local_node(rd) / "rank-0" / f"step-{name}", rundir.rank_error(rd, 0).parent]
     for d in made:
         d.mkdir(parents=True, exist_ok=True)
     (rundir.rank_error(rd, 0).parent / f"rank-{name}.error").write_text("RuntimeError: x\n")

@@ -9,6 +9,7 @@ place. With ``LOCAL_TIER_FLIP`` set, rank 1 first flips one bit of its newest lo
 ``LOCAL_TIER_LOSE_NODE``, rank 1 removes its node's whole local directory (a lost node's storage)
 and every rank is killed; with ``LOCAL_TIER_NO_RESTORE``, the loop never calls ``run.restore``;
 with ``LOCAL_TIER_FLIP_COPY``, rank 0 flips a bit in its copy of rank 1's newest item; with
+``LOCAL_TIER_KILL_RANK``, that rank is the one killed (default 1; a plain ``python`` run has rank 0 only); with
 ``LOCAL_TIER_SLOW_WRITE`` (see tests/ckpt/test_local_tier.py), the loop does not wait for the
 local save in flight before the kill. Before
 the kill, each rank writes the steps its node's local tier holds to ``RUN_DIR/local-steps-R.json``
@@ -73,7 +74,7 @@ def main(steps: int, kill_at: int = 0) -> dict:
                         shutil.rmtree(run._local.node)
                     if os.environ.get("LOCAL_TIER_FLIP"):   # one bit of the newest item's tensor data
                         _flip(max((run._local.dir / f"step-{held[-1]}").glob("flat-*.bin"), key=lambda f: f.stat().st_size))
-                if run.rank == 1 or os.environ.get("LOCAL_TIER_LOSE_NODE"):
+                if run.rank == int(os.environ.get("LOCAL_TIER_KILL_RANK", "1")) or os.environ.get("LOCAL_TIER_LOSE_NODE"):
                     # With two torchrun agents (tests/ckpt/test_peer_copies.py) every rank ends here, as
                     # srun's --kill-on-bad-exit ends every task of a step: each agent counts one failure,
                     # so both restart with the same TORCHELASTIC_RESTART_COUNT (an agent that restarts for
