@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 
 from hpc_train.ckpt import flat
 from hpc_train.ckpt import state as state_mod
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store
 from hpc_train.ckpt.checksum import Checks
 from hpc_train.ckpt.common import APP_FILE, dcp_state, owner_module, rank_file, why
 from hpc_train.ckpt.safe import SafePlanner, SafeReader, safe_torch_load
@@ -42,7 +42,7 @@ def check_keys(path: Path, saved: dict[str, str] | None, kinds: dict[str, str]) 
                 ([f"in the checkpoint but not in state: {', '.join(extra)}"] if extra else []) + \
                 (["of another kind: " + ", ".join(f"{k} (saved {saved[k]}, now {kinds[k]})" for k in changed)]
                  if changed else [])
-        raise UsageError(f"checkpoint {resume.label(path)} does not match state ({'; '.join(parts)}); restore with "
+        raise UsageError(f"checkpoint {store.label(path)} does not match state ({'; '.join(parts)}); restore with "
                          f"the same state keys it was saved with, or start a new run directory")
 
 
@@ -53,7 +53,7 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
     :class:`CheckpointError` says why the checkpoint does not load; the caller names it.
     ``single``: one rank's own item of the local tier (:mod:`hpc_train.ckpt.local`), read by
     this rank alone, with no collective."""
-    info = resume.inspect(path)
+    info = store.inspect(path)
     if not info.complete:
         raise CheckpointError(f"not complete: {info.problem}")
     kinds = kinds or state_mod.kinds(state)

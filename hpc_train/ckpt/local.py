@@ -84,6 +84,8 @@ class LocalTier:
         self.run_dir = Path(run_dir).resolve()
         self.record = dict(record or {})
         self.node = node or tiers.node_here(cfg.local_dir, self.run_dir)
+        # What makes an item this run's: the path already is this job's (the tier's ID).
+        self.ident = tiers.Identity.of(self.run_dir, self.record.get("config_hash"), world_size)
         self.dir = config_local.rank_dir(self.node, rank)
         self.off: str | None = None
         self.pending: tuple[Future, int, Path] | None = None
@@ -283,14 +285,12 @@ class LocalTier:
     def _items(self) -> list[store.CkptInfo]:
         if self.off is not None and not self.dir.is_dir():
             return []
-        return sorted((store.inspect(p) for _, p in peer.numbered(self.dir, "step-")), key=lambda i: i.step,
+        return sorted((store.inspect(p) for _, p in tiers.numbered(self.dir, "step-")), key=lambda i: i.step,
                       reverse=True)
 
     def _accepts(self, info: store.CkptInfo, rank: int) -> bool:
-        """A complete item of this run, at this world size, for ``rank``."""
-        return (info.complete and info.record.get("tier") == TIER and info.record.get("run_dir") == str(self.run_dir)
-                and info.record.get("world_size") == self.world and info.record.get("rank") == rank
-                and 0 <= rank < self.world and info.record.get("config_hash") == self.record.get("config_hash"))
+        """A complete item of this run, at this world size, for ``rank`` (:func:`tiers.foreign`)."""
+        return info.complete and info.record.get("rank") == rank and tiers.foreign(info.record, self.ident) is None
 
     def usable(self) -> list[store.CkptInfo]:
         """This rank's complete items of this run, at this world size, newest first."""
@@ -304,17 +304,16 @@ class LocalTier:
         if multi and self.peers is not None:
             return self._choose_with_copies(shared_step, device)
         mine = [i.step for i in self.usable()][:_LISTED]
-        steps = set(mine)
+        table, world = [[(0, s) for s in mine]], 1   # one process: its own steps
         if multi:
             buf = torch.full((_LISTED,), -1, dtype=torch.int64, device=device)
             if mine:
                 buf[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
             every = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
             dist.all_gather(every, buf)
-            for b in every:
-                steps &= {int(s) for s in b.cpu().tolist() if s >= 0}
-        best = max(steps, default=-1)
-        if best < 0 or best < shared_step:
+            table, world = [[(q, int(s)) for s in b.cpu().tolist() if s >= 0] for q, b in enumerate(every)], self.world
+        best = tiers.choose(table, world, shared_step).step
+        if best < 0:
             return None
         return next(i for i in self.usable() if i.step == best)
 
@@ -324,10 +323,10 @@ class LocalTier:
         node lacks its item receives it from a node that holds it (:meth:`peer.Peers.transfer`).
         A fetch that fails returns an incomplete item: the caller's load then fails on that rank,
         and every rank falls back together, with one warning."""
-        held = peer.held_on_node(self.node, self._accepts)
         mine: dict[tuple[int, int], Path] = {}
-        for h in sorted(held, key=lambda h: h.copy):   # the node's own item before a copy
-            mine.setdefault((h.rank, h.step), h.path)
+        for h in sorted(tiers.on_node(self.node), key=lambda h: h.copy):   # the node's own item before a copy
+            if h.slot is not None and self._accepts(h.info, h.slot):
+                mine.setdefault((h.slot, h.info.step), h.info.path)
         pairs = sorted(mine, key=lambda rs: -rs[1])
         n = torch.tensor([len(pairs)], dtype=torch.int64, device=device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
@@ -337,7 +336,8 @@ class LocalTier:
         every = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
         dist.all_gather(every, buf)
         table = [[(int(r), int(s)) for r, s in b.cpu().tolist() if r >= 0] for b in every]
-        best, fetches = peer.plan_fetches(table, self.world, shared_step)
+        chosen = tiers.choose(table, self.world, shared_step)
+        best, fetches = chosen.step, list(chosen.fetches)
         if best < 0:
             return None
         problem, got = None, mine.get((self.rank, best))

@@ -15,7 +15,7 @@ peers waiting in a receive until ``dist.timeout_s``.
 
 The wire (plain bytes, checksummed on arrival): :mod:`hpc_train.ckpt.wire`.
 
-Restore (:func:`plan_fetches`, :meth:`Peers.transfer`): every rank lists what its node holds
+Restore (:func:`hpc_train.ckpt.tiers.choose`, :meth:`Peers.transfer`): every rank lists what its node holds
 for any rank (its own items, and copies), one all-gather shares the lists, and the newest step
 that some node holds for every rank is used; a rank whose node lacks its item receives it from
 the lowest rank that holds it (a spare node that replaced a lost one holds nothing). Every rank
@@ -75,54 +75,6 @@ def ring(env: Any, world: int, replicas: int) -> tuple[Ring | None, str | None]:
         return None, (f"copies on a peer node are off: ranks are not numbered node by node ({world} ranks, "
                       f"{nodes} nodes of {per})")
     return Ring(env.rank, env.local_rank, per, env.node_rank, nodes, min(replicas, nodes - 1)), None
-
-
-@dataclass(frozen=True)
-class Held:
-    """A complete item on this node for rank ``rank`` at ``step``: its own (``copy`` False) or a copy."""
-    rank: int
-    step: int
-    path: Path
-    copy: bool
-
-
-def numbered(parent: Path, prefix: str) -> list[tuple[int, Path]]:
-    """(N, path) of ``parent``'s entries named ``PREFIX-N`` that are not symlinks; none when
-    ``parent`` cannot be listed."""
-    try:
-        return [(n, p) for p in parent.iterdir()
-                if (n := rundir.name_number(p.name, prefix)) is not None and not p.is_symlink()]
-    except OSError:
-        return []
-
-
-def held_on_node(node: Path, usable) -> list[Held]:
-    """Every complete item under ``node`` (``rank-R/step-N`` and ``copies/rank-R/step-N``) that
-    ``usable(info, R)`` accepts; never through a symlink."""
-    out: list[Held] = []
-    for parent, is_copy in ((node, False), (node / COPIES, True)):
-        for r, rank_dir in numbered(parent, "rank-"):
-            for _, p in numbered(rank_dir, "step-"):
-                info = store.inspect(p)
-                if info.complete and usable(info, r):
-                    out.append(Held(r, info.step, p, is_copy))
-    return out
-
-
-def plan_fetches(table: list[list[tuple[int, int]]], world: int, floor: int) -> tuple[int, list[tuple[int, int]]]:
-    """From every rank's list of (rank, step) its node holds: the newest step (not older than
-    ``floor``) held somewhere for every rank, and the transfers (rank, from) for the ranks that
-    do not hold their own. (-1, []) when there is none."""
-    holders: dict[tuple[int, int], set[int]] = {}
-    for q, pairs in enumerate(table):
-        for r, s in pairs:
-            holders.setdefault((r, s), set()).add(q)
-    steps = {s for _, s in holders}
-    ok = [s for s in steps if s >= floor and all((r, s) in holders for r in range(world))]
-    if not ok:
-        return -1, []
-    best = max(ok)
-    return best, [(r, min(holders[(r, best)])) for r in range(world) if r not in holders[(r, best)]]
 
 
 class Peers:

@@ -84,12 +84,12 @@ def _decide(run_dir: Path, cfg: Config | None, resume: str, signature: dict[str,
         compat.check_resume_changes(run_dir, cfg, warn, advice)
     try:
         return store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
-    except UsageError as e:
+    except store.NoneComplete as e:
         # No complete shared checkpoint, but this node's local tier (hpc_train.ckpt.local) holds
         # this run's work: the restore tries it first, and refuses as this would if it cannot.
-        if resume != "latest" or "none is complete" not in str(e) or not _local_items_here(run_dir, cfg):
+        if resume != "latest" or not _local_items_here(run_dir, cfg):
             raise
-        warn(f"{str(e).split('; refusing')[0]}; this node's local checkpoint tier holds newer work: trying it")
+        warn(f"{e.what}; this node's local checkpoint tier holds newer work: trying it")
         return store.ResumePlan(None)
 
 
@@ -98,10 +98,9 @@ def _local_items_here(run_dir: Path, cfg: Config | None) -> bool:
     (rank 0's: the pre-launch runs on rank 0; every rank's is checked by the restore)."""
     if cfg is None or not config_local.enabled(cfg.checkpoint):
         return False
-    mine = config_local.rank_dir(tiers.node_here(cfg.checkpoint.local_dir, run_dir), 0)
-    resolved = str(Path(run_dir).resolve())
-    return any(info.complete and info.record.get("run_dir") == resolved
-               for info in map(store.inspect, mine.glob("step-*")))
+    ident = tiers.Identity.of(run_dir, cfg.digest())
+    return any(i.slot == 0 and not i.copy and i.info.complete and tiers.foreign(i.info.record, ident) is None
+               for i in tiers.on_node(tiers.node_here(cfg.checkpoint.local_dir, run_dir)))
 
 
 # status reads a checkpoint's checksums (as a rerun would before it starts) only up to this size;

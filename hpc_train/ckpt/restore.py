@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hpc_train.advice import VARIABLES, Advice
 from hpc_train import rundir
-from hpc_train.ckpt import load as checkpoint
+from hpc_train.ckpt import load
 from hpc_train.ckpt import store
 from hpc_train.errors import CheckpointError, UsageError
 
@@ -95,7 +95,7 @@ def _load_shared(state: dict[str, Any], source: store.CkptInfo | None, run_dir: 
     while source is not None:
         error: BaseException | None = None
         try:
-            record = checkpoint.load(state, source.path, rank, world_size, kinds)
+            record = load.load(state, source.path, rank, world_size, kinds)
         except Exception as e:  # noqa: BLE001 - handled below, on every rank together
             error = e
         if multi:
@@ -142,7 +142,7 @@ def _from_local(state: dict[str, Any], local, shared: store.CkptInfo | None, ran
     try:
         if not item.complete:   # a copy that could not be fetched (see LocalTier.choose)
             raise CheckpointError(item.problem or "not complete")
-        checkpoint.load(state, item.path, rank, world_size, dict(kinds), single=True)
+        load.load(state, item.path, rank, world_size, dict(kinds), single=True)
     except Exception as e:  # noqa: BLE001 - every rank falls back together
         error = e
     failed = error is not None

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpc_train.ckpt import state as state_mod
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store
 from hpc_train.ckpt.common import APP_FILE, dcp_state, dir_for, move_aside, plain_of, rank_file, why
 from hpc_train.ckpt.crc import ChecksummingWriter, digest, save_pt
 from hpc_train.ckpt.state import rng_state
@@ -66,7 +66,7 @@ def _save_error(e: BaseException, step: int, run_dir: Path) -> BaseException:
     holds every rank's traceback; the last line is the cause."""
     if isinstance(e, (UsageError, CheckpointError)):
         return e
-    return CheckpointError(f"cannot save checkpoint step {step} in {resume.ckpt_root(run_dir)}: {why(e)} "
+    return CheckpointError(f"cannot save checkpoint step {step} in {store.ckpt_root(run_dir)}: {why(e)} "
                            f"(the newest complete checkpoint is kept)")
 
 
@@ -266,11 +266,11 @@ class Checkpointer:
         # size; at another, rank 0's with a warning naming them (see hpc_train.ckpt.load).
         digests = [f["plain"] for f in writer.facts if isinstance(f, dict)]
         differs = sorted(k for k in kinds if kinds[k] == "plain" and len({d.get(k) for d in digests}) > 1)
-        resume.write_commit(path, {**self.record, "step": step, "time": time.time(), "world_size": self.world,
+        store.write_commit(path, {**self.record, "step": step, "time": time.time(), "world_size": self.world,
                                    "torch": torch.__version__, "state": kinds, "save_seconds": round(seconds, 4),
                                    **({"differs_by_rank": differs} if differs else {})},
                             sums=writer.checksums, warn=log.warning)
-        log.info("checkpoint %s committed (%.2fs)", resume.label(path), seconds)
+        log.info("checkpoint %s committed (%.2fs)", store.label(path), seconds)
         self._prune(step)
 
     def _prune(self, committed: int | None = None) -> None:
@@ -279,10 +279,10 @@ class Checkpointer:
         anything incomplete (a crash leftover) is moved aside, never deleted, and never counts
         toward ``keep`` (a damaged save kept in place of an intact one). Only the newest
         checkpoint.keep_skipped moved-aside copies are kept."""
-        infos = resume.scan(self.run_dir)
+        infos = store.scan(self.run_dir)
         floor = committed if self.resumed_from is None else self.resumed_from
 
-        def skipped(i: resume.CkptInfo) -> bool:
+        def skipped(i: store.CkptInfo) -> bool:
             # One save in flight, and rank 0 commits before the next one starts: no step directory
             # newer than `committed` is being written by this run while this runs.
             return floor is not None and i.step > floor and i.step not in self.written
@@ -300,7 +300,7 @@ class Checkpointer:
                     move_aside(info.path)
             elif info.step not in keep:
                 shutil.rmtree(info.path, ignore_errors=True)
-        for old in resume.moved_aside(self.run_dir)[self.cfg.keep_skipped:]:
+        for old in store.moved_aside(self.run_dir)[self.cfg.keep_skipped:]:
             shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:

@@ -55,6 +55,14 @@ def step_of(name: str) -> int | None:
     return rundir.name_number(name, "step-")
 
 
+class NoneComplete(UsageError):
+    """The shared tier holds checkpoints but none is complete and intact: a ``latest`` resume
+    refuses to start over them (the node-local tier may still serve: ckpt/prelaunch.py)."""
+
+    def __init__(self, what: str, refusal: str) -> None:
+        super().__init__(what + refusal)
+        self.what = what    # the finding alone, without the refusal and its way out
+
 @dataclass
 class CkptInfo:
     step: int
@@ -321,9 +329,9 @@ def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn
     if found is None and infos:
         problems = {i.step: (verify_checksums(i) if verify else i.problem) for i in infos[:5]}
         listing = "; ".join(f"step {i.step}: {problems[i.step]}" for i in infos[:5])
-        raise UsageError(f"{ckpt_root(run_dir)} holds checkpoints but none is complete and intact ({listing}); refusing to "
-                         f"restart from scratch over them. Use --resume none to move them aside and start over, "
-                         f"or --resume PATH")
+        raise NoneComplete(f"{ckpt_root(run_dir)} holds checkpoints but none is complete and intact ({listing})",
+                           "; refusing to restart from scratch over them. Use --resume none to move them aside and "
+                           "start over, or --resume PATH")
     if found is not None:
         check_compatible(found, signature)
     return ResumePlan(found)

@@ -1,16 +1,21 @@
-"""What the node-local tier holds for a run, as seen from this machine, without torch.
+"""Which step a restart loads, from which tier: the one answer, without torch.
 
-``ckpt list`` and ``status`` read it here, so they name the same items and the same step. Only
-the nodes whose directories this machine can see count (the dev cluster's nodes share one
-disk; on a real cluster, where the run's nodes are: a login node sees none), and the items are
-judged by their commit records alone, as :func:`hpc_train.ckpt.store.inspect` judges any item:
-the checksums are checked when a restore loads one.
+The restore (:meth:`hpc_train.ckpt.local.LocalTier.choose`, after one all-gather of what each
+rank's node holds), ``status``, ``ckpt list`` and the requeue hook's progress check all ask
+:func:`choose`, each over what it can see, and judge each item with :func:`foreign`, as the
+restore does: an item serves only its own run (the run directory's real path, the config's
+digest), job (the tier's ID) and world size, whatever else lies in the same directory.
+
+What this machine sees of the tier (:func:`local_items`): the nodes whose directories it can see
+(the dev cluster's nodes share one disk; on a real cluster, where the run's nodes are: a login
+node sees none). Items are judged by their commit records; the checksums are checked when a
+restore loads one, and a damaged one there falls back as a missing one would.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +32,76 @@ def node_here(local_dir: str, run_dir: Path | str) -> Path:
 
 
 @dataclass(frozen=True)
+class Identity:
+    """What makes a local item this run's. None: any (what the asker cannot know: ``status``
+    does not know the ID of a job it did not submit)."""
+    run_dir: str                      # the run directory's real path
+    config_hash: str | None = None    # the config's digest (hpc_train.config.Config.digest)
+    world_size: int | None = None     # the world the restart runs at
+    job: str | None = None            # the tier's ID (``hpc_train-ID``)
+
+    @classmethod
+    def of(cls, run_dir: Path | str, config_hash: str | None = None, world_size: int | None = None,
+           job: str | None = None) -> Identity:
+        return cls(str(Path(run_dir).resolve()), config_hash, world_size, job)
+
+
+def foreign(record: Mapping[str, object], ident: Identity, job: str | None = None) -> str | None:
+    """Why an item with this commit record (under the tier's ID ``job``, None: not known) is not
+    ``ident``'s, else None."""
+    if record.get("tier") != TIER or record.get("run_dir") != ident.run_dir:
+        return "another run's"
+    if ident.job is not None and job is not None and job != ident.job:
+        return f"job {job}'s, not {ident.job}'s"
+    w, r = record.get("world_size"), record.get("rank")
+    if not (isinstance(w, int) and isinstance(r, int)) or isinstance(w, bool) or isinstance(r, bool) or not 0 <= r < w:
+        return "without a valid rank and world size"
+    if ident.world_size is not None and w != ident.world_size:
+        return f"saved at world size {w}, not {ident.world_size}"
+    if ident.config_hash is not None and record.get("config_hash") != ident.config_hash:
+        return "saved under another config"
+    return None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A restart's answer: ``step`` (-1: none at or above the floor: the shared tier's), the
+    world size it was saved at, and the transfers ``(rank, from)`` for the ranks whose node does
+    not hold their own item (the holders' indices as the asker numbered them)."""
+    step: int = -1
+    world_size: int | None = None
+    fetches: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def local(self) -> bool:
+        return self.step >= 0
+
+
+def choose(table: Sequence[Iterable[tuple[int, int]]], world: int, floor: int) -> Choice:
+    """From what each holder has (``table[q]``: the (rank, step) pairs of the items holder q's
+    node holds, this run's and complete): the newest step, not older than ``floor`` (the shared
+    tier's newest; -1: none), held somewhere for every rank of ``world``, and the transfers, each
+    from the lowest holder, for the ranks that do not hold their own. Every rank computes the
+    same from the same table."""
+    holders: dict[tuple[int, int], set[int]] = {}
+    for q, pairs in enumerate(table):
+        for r, s in pairs:
+            holders.setdefault((r, s), set()).add(q)
+    ok = [s for s in {s for _, s in holders} if s >= floor and all((r, s) in holders for r in range(world))]
+    if not ok:
+        return Choice()
+    best = max(ok)
+    return Choice(best, world, tuple((r, min(holders[(r, best)])) for r in range(world)
+                                     if r not in holders[(r, best)]))
+
+
+@dataclass(frozen=True)
 class LocalItem:
     info: store.CkptInfo
-    node: str     # the node directory's name (the Slurm node name)
-    copy: bool    # a peer's copy (hpc_train.ckpt.peer), not the node's own item
+    node: str           # the node directory's name (the Slurm node name)
+    copy: bool          # a peer's copy (hpc_train.ckpt.peer), not the node's own item
+    job: str | None = None   # the tier's ID (``hpc_train-ID``)
+    slot: int | None = None  # R of the ``rank-R`` directory it lies in (its record must say the same)
 
     @property
     def rank(self) -> int | None:
@@ -38,41 +109,80 @@ class LocalItem:
         return r if isinstance(r, int) and not isinstance(r, bool) else None
 
 
+def numbered(parent: Path, prefix: str) -> list[tuple[int, Path]]:
+    """(N, path) of ``parent``'s entries named ``PREFIX-N`` that are not symlinks; none when
+    ``parent`` cannot be listed (whatever else it holds: any name, any file type)."""
+    try:
+        return [(n, p) for p in parent.iterdir()
+                if (n := rundir.name_number(p.name, prefix)) is not None and not p.is_symlink()]
+    except OSError:
+        return []
+
+
+def on_node(node: Path, job: str | None = None) -> list[LocalItem]:
+    """Every item under one node directory of a run (``rank-R/step-N``, and the copies it keeps,
+    ``copies/rank-R/step-N``), complete or not, never through a symlink: the one lister of the
+    tier's items (the restore's, ``status``'s and ``ckpt list``'s)."""
+    out: list[LocalItem] = []
+    for parent, is_copy in ((node, False), (node / config_local.COPIES, True)):
+        for r, rank_dir in numbered(parent, "rank-"):
+            for _, path in numbered(rank_dir, "step-"):
+                out.append(LocalItem(store.inspect(path), node.name, is_copy, job, r))
+    return out
+
+
 def local_items(run_dir: Path, local_dir: str, env: Mapping[str, str] | None = None) -> list[LocalItem]:
-    """Every complete-or-not local item of ``run_dir`` under the bases this machine can see,
-    newest first; never through a symlinked directory."""
-    mine = str(Path(run_dir).resolve())
-    key = config_local.run_key(mine)
+    """Every item under ``run_dir``'s node directories of the bases this machine can see, newest
+    first, whatever their commit records say (:func:`restart` judges them); never through a
+    symlinked directory."""
+    key = config_local.run_key(run_dir)
     out: list[LocalItem] = []
     for base in config_local.visible_bases(local_dir, os.environ if env is None else env):
-        for path in sorted([*base.glob(f"{config_local.PREFIX}*/{key}/*/rank-*/step-*"),
-                            *base.glob(f"{config_local.PREFIX}*/{key}/*/{config_local.COPIES}/rank-*/step-*")]):
-            rel = path.relative_to(base)
-            if any((base / q).is_symlink() for q in (rel, *rel.parents[:-1])):
-                continue
-            info = store.inspect(path)
-            if info.record.get("tier") != TIER or info.record.get("run_dir") != mine:
-                continue
-            copy = path.parent.parent.name == config_local.COPIES
-            node = (path.parent.parent.parent if copy else path.parent.parent).name
-            out.append(LocalItem(info, node, copy))
+        for job_dir in _subdirs(base, config_local.PREFIX):
+            for run in _subdirs(job_dir, key):
+                job = job_dir.name.removeprefix(config_local.PREFIX)
+                for node in _subdirs(run):
+                    out.extend(on_node(node, job))
     return sorted(out, key=lambda i: (-i.info.step, str(i.info.path)))
 
 
-def restart_step(items: list[LocalItem]) -> tuple[int, int] | None:
-    """(step, world size): the newest step that the visible items hold, own or copied, for every
-    rank of the world size it was saved at (the step an in-place restart at that size loads),
-    or None."""
-    held: dict[tuple[int, int], set[int]] = {}
+def _subdirs(parent: Path, prefix: str = "") -> list[Path]:
+    """``parent``'s directories (not symlinks) whose names start with ``prefix``."""
+    try:
+        return sorted(p for p in parent.iterdir() if p.name.startswith(prefix) and not p.is_symlink() and p.is_dir())
+    except OSError:
+        return []
+
+
+def restart(items: Sequence[LocalItem], ident: Identity, floor: int = -1) -> Choice:
+    """What an in-place restart would load of ``items`` (each node directory one holder): the
+    newest step held for every rank, at ``ident``'s world size and job, or, where the asker does
+    not know them, of the job and world size of the newest such step (never a mix of two)."""
+    groups: dict[tuple[str | None, int], dict[str, list[tuple[int, int]]]] = {}
     for i in items:
-        w = i.info.record.get("world_size")
-        if i.info.complete and i.rank is not None and isinstance(w, int) and 0 <= i.rank < w:
-            held.setdefault((i.info.step, w), set()).add(i.rank)
-    full = [(s, w) for (s, w), ranks in held.items() if len(ranks) == w]
-    return max(full) if full else None
+        rec = i.info.record
+        if i.info.complete and foreign(rec, ident, i.job) is None:
+            world, rank = int(str(rec["world_size"])), int(str(rec["rank"]))   # ints: foreign checked
+            groups.setdefault((i.job, world), {}).setdefault(i.node, []).append((rank, i.info.step))
+    best = Choice()
+    for (_, world), nodes in sorted(groups.items(), key=lambda g: (g[0][1], str(g[0][0]))):
+        c = choose(list(nodes.values()), world, floor)
+        if c.local and c.step >= best.step:
+            best = c
+    return best
 
 
-def newest_step(items: list[LocalItem]) -> int | None:
-    """The newest step of any complete visible item, any rank's, own or a copy: how far training
-    got on this tier, whether or not every rank holds it (the requeue hook's progress)."""
-    return max((i.info.step for i in items if i.info.complete), default=None)
+def restart_here(run_dir: Path, local_dir: str, ident: Identity, floor: int = -1) -> Choice:
+    """:func:`restart` over the items this machine sees (``status``, ``ckpt list``, the hook)."""
+    return restart(local_items(run_dir, local_dir), ident, floor)
+
+
+def not_this_runs(items: Sequence[LocalItem], ident: Identity) -> list[tuple[LocalItem, str]]:
+    """The complete items under the run's directories that a restart of ``ident`` would not load,
+    and why: another job's, world size's or config's leftovers."""
+    out = []
+    for i in items:
+        why = foreign(i.info.record, ident, i.job) if i.info.complete else None
+        if why:
+            out.append((i, why))
+    return out

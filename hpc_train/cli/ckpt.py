@@ -8,15 +8,17 @@ import time
 from pathlib import Path
 
 from hpc_train import config_local, rundir
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store, tiers
 from hpc_train.errors import UsageError
 
 
-def _run_dir(arg: str) -> Path:
+def _run_dir(arg: str, local_too: bool = False) -> Path:
+    """The run directory of a ``ckpt`` command; ``local_too``: one whose only checkpoints are
+    node-local items (``ckpt list``) is one too."""
     p = Path(arg)
     if not p.is_dir():
         raise UsageError(f"ckpt: {p} is not a directory (give a run directory, e.g. runs/digits)")
-    if not resume.ckpt_root(p).is_dir():
+    if not store.ckpt_root(p).is_dir() and not (local_too and _local_view(p)[0]):
         raise UsageError(f"ckpt: {p} has no checkpoints/ directory")
     return p
 
@@ -44,46 +46,58 @@ def _keep_skipped(run_dir: Path) -> int:
 
 def cmd_list(run_dir: Path) -> int:
     keep_skipped = _keep_skipped(run_dir)
-    infos = resume.scan(run_dir)
+    infos = store.scan(run_dir)
     print(f"{'step':>8}  {'saved at':19}  {'size':>10}  {'world':>5}  status")
     for i in infos:
-        t = i.record.get("time")
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
-        status = "complete" if i.complete else f"INCOMPLETE: {i.problem}"
-        print(f"{i.step:>8}  {when:19}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  {status}")
-    aside = resume.moved_aside(run_dir)
-    print(f"moved aside: {len(aside)} (the newest {keep_skipped} are kept: checkpoint.keep_skipped)")
+        print(f"{i.step:>8}  {_when(i)}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  "
+              f"{'complete' if i.complete else f'INCOMPLETE: {i.problem}'}")
+    aside = store.moved_aside(run_dir)
+    if aside:
+        print(f"moved aside: {len(aside)} (the newest {keep_skipped} are kept: checkpoint.keep_skipped)")
     for a in aside:
         print(f"  {a.name}  {_du(a) / 1e6:.2f}MB")
-    print(f"disk use of {resume.ckpt_root(run_dir)}: {_du(resume.ckpt_root(run_dir)) / 1e6:.2f}MB")
+    print(f"disk use of {store.ckpt_root(run_dir)}: {_du(store.ckpt_root(run_dir)) / 1e6:.2f}MB")
     _list_local(run_dir)
     return 0
 
 
-def _list_local(run_dir: Path) -> None:
-    """The node-local tier's items of this run (hpc_train.ckpt.local) that this machine can see:
-    those of its own node(s) when ``ckpt list`` runs where the run does; a login node sees none."""
+def _when(i: store.CkptInfo) -> str:
+    t = i.record.get("time")
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t)) if isinstance(t, (int, float)) else '-':19}"
+
+
+def _local_view(run_dir: Path) -> tuple[list[tiers.LocalItem], tiers.Identity]:
+    """The node-local tier's items of this run that this machine can see, and the identity a
+    restart would judge them by (hpc_train.ckpt.tiers): those of its own node(s) when ``ckpt
+    list`` runs where the run does; a login node sees none."""
     from hpc_train import config
-    from hpc_train.ckpt import tiers
     try:
-        local_dir = config.load(run_dir / rundir.CONFIG).checkpoint.local_dir
+        cfg = config.load(run_dir / rundir.CONFIG)
+        local_dir, digest = cfg.checkpoint.local_dir, cfg.digest()
     except (UsageError, OSError):
-        local_dir = ""
-    seen = tiers.local_items(run_dir, local_dir)
-    if not seen:   # a login node, or a run without the tier: nothing to say
+        local_dir, digest = "", None
+    return tiers.local_items(run_dir, local_dir), tiers.Identity.of(run_dir, digest)
+
+
+def _list_local(run_dir: Path) -> None:
+    """The local items (a login node, or a run without the tier: nothing to say); each that a
+    restart of this run would not load says why (another config's, a world size's, a record
+    that is not this run's)."""
+    seen, ident = _local_view(run_dir)
+    if not seen:
         return
+    why = {id(item): reason for item, reason in tiers.not_this_runs(seen, ident)}
     print("local tier (node-local, one item per rank; the newest step every rank holds is restored first):")
     for item in seen:
         i = item.info
-        t = i.record.get("time")
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
         where = f"{item.node}/{config_local.COPIES + '/' if item.copy else ''}rank-{i.record.get('rank')}"
         status = "" if i.complete else f"  INCOMPLETE: {i.problem}"
-        print(f"{i.step:>8}  {when:19}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  "
+        status += f"  NOT LOADED: {why[id(item)]}" if id(item) in why else ""
+        print(f"{i.step:>8}  {_when(i)}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  "
               f"{'copy ' if item.copy else 'local'} {where}  {i.path}{status}")
 
 
-def verify_one(info: resume.CkptInfo) -> str | None:
+def verify_one(info: store.CkptInfo) -> str | None:
     """Beyond sizes: DCP's metadata loads safely, every item lies inside its file, and every
     file matches its recorded checksum."""
     if not info.complete:
@@ -108,11 +122,11 @@ def verify_one(info: resume.CkptInfo) -> str | None:
             return f"{fqn} points into {name}, which the commit record does not list"
         if offset + length > sizes[str(name)]:
             return f"{fqn} lies past the end of {name}"
-    return resume.verify_checksums(info)
+    return store.verify_checksums(info)
 
 
 def cmd_verify(run_dir: Path) -> int:
-    infos = resume.scan(run_dir)
+    infos = store.scan(run_dir)
     bad = 0
     for info in infos:
         problem = verify_one(info)
@@ -130,16 +144,16 @@ def _check_out(run_dir: Path, out: Path, force: bool) -> None:
     parent = out.parent.resolve()
     if not parent.is_dir():
         raise UsageError(f"ckpt export: {out.parent} does not exist; create it first")
-    root = resume.ckpt_root(run_dir).resolve()
+    root = store.ckpt_root(run_dir).resolve()
     if parent == root or root in parent.parents:
         raise UsageError(f"ckpt export: {out} is inside {root}, which holds the run's checkpoints; write it elsewhere")
     if (out.exists() or out.is_symlink()) and not force:
         raise UsageError(f"ckpt export: {out} exists; pass --force to replace it")
 
 
-def _module_key(info: resume.CkptInfo, key: str | None) -> str:
+def _module_key(info: store.CkptInfo, key: str | None) -> str:
     """Which module of the checkpoint to export: ``key``, else the only one it holds."""
-    mods = resume.modules(info.record)
+    mods = store.modules(info.record)
     if key is None and len(mods) == 1:
         return mods[0]
     if key is not None and key in mods:
@@ -157,13 +171,13 @@ def _module_key(info: resume.CkptInfo, key: str | None) -> str:
 def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False, key: str | None = None) -> int:
     _check_out(run_dir, Path(out), force)
     if step is None:
-        info = resume.newest_complete(run_dir)
+        info = store.newest_complete(run_dir)
         if info is None:
             raise UsageError(f"ckpt export: {run_dir} has no complete checkpoint")
     else:
-        info = resume.inspect(resume.ckpt_root(run_dir) / f"step-{step}")
+        info = store.inspect(store.ckpt_root(run_dir) / f"step-{step}")
         if not info.path.exists():
-            steps = ", ".join(str(i.step) for i in resume.scan(run_dir))
+            steps = ", ".join(str(i.step) for i in store.scan(run_dir))
             raise UsageError(f"ckpt export: no checkpoint at step {step} (have: {steps or 'none'})")
         if not info.complete:
             raise UsageError(f"ckpt export: step {step} is not complete: {info.problem}")
@@ -179,7 +193,7 @@ def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False, k
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    run_dir = _run_dir(args.run_dir)
+    run_dir = _run_dir(args.run_dir, local_too=args.ckpt_command == "list")
     if args.ckpt_command == "list":
         return cmd_list(run_dir)
     if args.ckpt_command == "verify":

@@ -44,15 +44,15 @@ def _int(env: Mapping[str, str], key: str, default: int = 0) -> int:
     return int(raw) if raw.isdigit() and len(raw) <= 18 else default
 
 
-def _job(path: Path) -> tuple[JobSection, bool, float, str | None, str]:
+def _job(path: Path) -> tuple[JobSection, bool, float, tuple[str, str] | None, str]:
     """The job section of the job's config, whether it runs a script, its straggler window, its
-    ``checkpoint.local_dir`` when it keeps the node-local tier (else None), and, when the config
-    cannot be read, the defaults and why."""
+    ``checkpoint.local_dir`` and the config's digest when it keeps the node-local tier (else
+    None), and, when the config cannot be read, the defaults and why."""
     from hpc_train import config, config_local
     from hpc_train.errors import UsageError
     try:
         cfg = config.load(path)
-        local = cfg.checkpoint.local_dir if config_local.enabled(cfg.checkpoint) else None
+        local = (cfg.checkpoint.local_dir, cfg.digest()) if config_local.enabled(cfg.checkpoint) else None
         return cfg.job, bool(cfg.train.script), cfg.dist.straggler_window_s, local, ""
     except (UsageError, OSError) as e:
         return (JobSection(), False, config.DistSection().straggler_window_s, None,
@@ -68,7 +68,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     """The inputs of this hook call, and the history as read (the act writes on top of it).
     ``config``: the job's config (a standalone script's own copy), else the run's config.yaml."""
     run_dir = Path(run_dir)
-    job, script, window_s, local_dir, note = _job(Path(config) if config else run_dir / rundir.CONFIG)
+    job, script, window_s, local, note = _job(Path(config) if config else run_dir / rundir.CONFIG)
     inc = Incarnation(target(env), _int(env, "SLURM_RESTART_COUNT"))
     step = StepId(env.get("SLURM_JOB_ID", ""), inc.restart, _int(env, ranks_rec.ATTEMPT_ENV))
     history = requeue_rec.read(run_dir)
@@ -101,7 +101,6 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     # scontrol requeue ended the batch shell before the hook ran): one sacct says what they were.
     past, past_why = (nodes.past_runs(inc.target, inc.restart) if history.unrecorded(inc) and status != EXIT_USAGE
                       else ((), ""))
-    from hpc_train.ckpt import tiers
     newest, own = _newest_checkpoint(run_dir, _int(env, BATCH_START_ENV))
     began = [r.started for r in step_ranks.values() if r is not None and r.started is not None]
     since = min(began) if began else float(_int(env, BATCH_START_ENV))
@@ -120,9 +119,19 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         newest_step=newest.step if newest is not None else None if script else 0, own_checkpoint=own,
         resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors,
         past_runs=past, past_why=past_why, window_s=window_s, held_by=held_by,
-        # The items this node sees: on a cluster, its own node's and the copies it keeps.
-        local_step=tiers.newest_step(tiers.local_items(run_dir, local_dir)) if asks and local_dir is not None else None)
+        local_step=_local_step(run_dir, local, env) if asks and local is not None else None)
     return inputs, history
+
+
+def _local_step(run_dir: Path, local: tuple[str, str], env: Mapping[str, str]) -> int | None:
+    """The step an in-place restart of this job would load from the node-local tier, of the
+    items this node sees (on a cluster, its own node's and the copies it keeps): the restore's
+    own answer (hpc_train.ckpt.tiers), so another job's leftovers buy no restart."""
+    from hpc_train.ckpt import tiers
+    local_dir, digest = local
+    ident = tiers.Identity.of(run_dir, digest, None, env.get("SLURM_JOB_ID") or None)
+    chosen = tiers.restart_here(run_dir, local_dir, ident)
+    return chosen.step if chosen.local else None
 
 
 def _pending(run_dir: Path, inc: Incarnation, step: StepId, batch_start: int) -> tuple[requeue_rec.Pending | None, str]:

@@ -212,30 +212,49 @@ def resume_point(run_dir: Path, newest: store.CkptInfo | None) -> str:
 
 def restart_point(run_dir: Path, shared: store.CkptInfo | None) -> str | None:
     """What an in-place restart (a crash, a lost node, a swap; the same allocation) starts from
-    when the run keeps the node-local tier: its newest step held for every rank, own or a
-    peer's copy, if at least as new as the shared tier's newest (as the restore decides). A
-    requeue lands on nodes that hold nothing, so it always starts from the shared tier
-    (``shared``: its newest complete checkpoint, as for :func:`resume_point`). None when the run
-    has no local tier."""
+    when the run keeps the node-local tier: the restore's own answer (hpc_train.ckpt.tiers) over
+    the items this machine sees, judged as the restore judges them (this run, its config, its
+    last job and world size). A requeue lands on nodes that hold nothing, so it always starts
+    from the shared tier (``shared``: its newest complete checkpoint, as for
+    :func:`resume_point`). None when the run has no local tier."""
     from hpc_train import config, config_local
     from hpc_train.ckpt import tiers
     try:
-        section = config.load(run_dir / rundir.CONFIG).checkpoint
+        cfg = config.load(run_dir / rundir.CONFIG)
     except (UsageError, OSError):
         return None
-    if not config_local.enabled(section):
+    if not config_local.enabled(cfg.checkpoint):
         return None
-    held = tiers.restart_step(tiers.local_items(run_dir, section.local_dir))
+    items = tiers.local_items(run_dir, cfg.checkpoint.local_dir)
+    ident = tiers.Identity.of(run_dir, cfg.digest(), _last_world(run_dir), _last_job(run_dir))
+    held = tiers.restart(items, ident)
+    ignored = tiers.not_this_runs(items, ident)
+    aside = f" ({len(ignored)} other item(s) ignored: {ignored[0][1]})" if ignored else ""
     on_shared = f"the shared tier's step {shared.step}" if shared is not None else "step 0 (no shared checkpoint yet)"
-    if held is None:
+    if not held.local:
         return (f"restarted in place: the node-local tier's newest step held for every rank, if newer (its nodes' "
-                f"directories are not visible from here), else {on_shared}; a requeue: {on_shared}")
-    step, world = held
-    if shared is not None and shared.step > step:
-        return (f"restarted in place: {on_shared} (the node-local tier's newest, step {step}, is older); "
+                f"directories are not visible from here), else {on_shared}{aside}; a requeue: {on_shared}")
+    if shared is not None and shared.step > held.step:
+        return (f"restarted in place: {on_shared} (the node-local tier's newest, step {held.step}, is older){aside}; "
                 f"a requeue: the same")
-    return (f"restarted in place: step {step} from the node-local tier (every rank of {world} held); "
-            f"a requeue: {on_shared}")
+    return (f"restarted in place: step {held.step} from the node-local tier (every rank of {held.world_size} "
+            f"held){aside}; a requeue: {on_shared}")
+
+
+def _last_world(run_dir: Path) -> int | None:
+    """The world size of the run's last start, as rank 0's record says (None: not known)."""
+    from hpc_train.records import ranks
+    rec, _ = ranks.read(run_dir, 0)
+    return rec.world_size if rec is not None else None
+
+
+def _last_job(run_dir: Path) -> str | None:
+    """The run's last Slurm job id, the local tier's ID of its items (None: not submitted, or an
+    array task's, whose own job id job.json does not hold)."""
+    from hpc_train.records import jobs as jobs_rec
+    entries, _ = jobs_rec.read(run_dir)
+    last = entries[-1].job_id if entries else ""
+    return last if last.isdigit() else None
 
 
 _PIECE = 1 << 20     # how much of a log is read at a time

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from helpers import REPO, clean_env, hpc, show, write_config
 from hpc_train import config_local
@@ -367,15 +369,28 @@ def test_ckpt_list_shows_the_local_items_a_crash_left(tmp_path, monkeypatch):
     # the shared tier's step alone looked like no progress since the last one).
     from hpc_train.login.gather import gather
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))   # squeue: "unknown"
-    inputs, _ = gather(run_dir, 1, {"SLURM_JOB_ID": "7"}, srun_tasks_per_node=2, ranks_per_node=2)
+    # The hook judges items as the restore does, its job's only: here the tier's ID is torchrun's
+    # agent's (p<pid>), which stands in for the job id.
+    job = next((tmp_path / "shm").glob("hpc_train-*")).name.removeprefix("hpc_train-")
+    inputs, _ = gather(run_dir, 1, {"SLURM_JOB_ID": job}, srun_tasks_per_node=2, ranks_per_node=2)
     assert (inputs.newest_step, inputs.local_step) == (4, 6), inputs
+    other, _ = gather(run_dir, 1, {"SLURM_JOB_ID": "7"}, srun_tasks_per_node=2, ranks_per_node=2)
+    assert other.local_step is None, other   # another job's items buy no restart
 
 
-def _item(step: int, rank: int, world: int = 2, complete: bool = True, copy: bool = False):
+def _item(step: int, rank: int, world: int = 2, complete: bool = True, copy: bool = False, node: str = "n",
+          job: str = "7", run: str = "/r", config: str = "c"):
     from hpc_train.ckpt import store, tiers
-    info = store.CkptInfo(step, Path(f"/x/n/rank-{rank}/step-{step}"), complete, None,
-                          {"rank": rank, "world_size": world, "tier": "local"})
-    return tiers.LocalItem(info, "n", copy)
+    info = store.CkptInfo(step, Path(f"/x/{node}/rank-{rank}/step-{step}"), complete, None,
+                          {"rank": rank, "world_size": world, "tier": "local", "run_dir": run, "config_hash": config})
+    return tiers.LocalItem(info, node, copy, job)
+
+
+def _restart(items, **ident) -> tuple[int, int] | None:
+    """The one chooser's answer (hpc_train.ckpt.tiers.restart) as (step, world size), or None."""
+    from hpc_train.ckpt import tiers
+    chosen = tiers.restart(items, tiers.Identity("/r", **ident))
+    return (chosen.step, chosen.world_size) if chosen.local else None
 
 
 @pytest.mark.parametrize("items, expected", [
@@ -388,19 +403,57 @@ def _item(step: int, rank: int, world: int = 2, complete: bool = True, copy: boo
     ([_item(6, 0), _item(6, 2)], None),                                     # rank 2 of 2: not a rank
 ])
 def test_the_restart_step_is_the_newest_held_for_every_rank(items, expected):
-    from hpc_train.ckpt import tiers
-    assert tiers.restart_step(items) == expected
+    assert _restart(items) == expected
+
+
+# Issue 49.2: what is not this run's serves nothing, whatever lies in its directories.
+@pytest.mark.parametrize("items, ident, expected", [
+    ([_item(9, 0, run="/other"), _item(9, 1, run="/other"), _item(6, 0), _item(6, 1)], {}, (6, 2)),   # another run's
+    ([_item(9, 0, job="5"), _item(9, 1, job="5"), _item(6, 0), _item(6, 1)], {"job": "7"}, (6, 2)),  # another job's
+    ([_item(9, 0, job="5"), _item(9, 1, job="7")], {}, None),               # two jobs' halves never make one
+    ([_item(9, 0, world=1), _item(6, 0), _item(6, 1)], {"world_size": 2}, (6, 2)),   # after a shrink: this size
+    ([_item(9, 0, config="d"), _item(9, 1, config="d"), _item(6, 0), _item(6, 1)], {"config_hash": "c"}, (6, 2)),
+    ([_item(6, 0, node="a"), _item(6, 1, node="b")], {"job": "7", "world_size": 2, "config_hash": "c"}, (6, 2)),
+])
+def test_the_restart_takes_only_this_run_s_items(items, ident, expected):
+    assert _restart(items, **ident) == expected
 
 
 @pytest.mark.parametrize("items, expected", [
     ([], None),
-    ([_item(6, 0), _item(3, 0), _item(3, 1)], 6),                           # one rank's own is enough
-    ([_item(9, 1, copy=True), _item(6, 0)], 9),                             # so is a copy
-    ([_item(9, 0, complete=False), _item(6, 0)], 6),                        # incomplete is not
+    ([_item(6, 0), _item(3, 0), _item(3, 1)], 3),                           # rank 1 holds 3 only: 3 is what loads
+    ([_item(9, 1, copy=True), _item(9, 0), _item(6, 0)], 9),                # a copy counts
+    ([_item(9, 0, complete=False), _item(9, 1), _item(6, 0), _item(6, 1)], 6),   # incomplete does not
+    ([_item(9, 0, job="5"), _item(9, 1, job="5")], None),                   # another job's buy no restart
 ])
-def test_the_newest_local_step_is_any_rank_s_newest_complete(items, expected):
+def test_the_hook_s_local_progress_is_the_step_a_restart_loads(tmp_path, items, expected):
+    """The requeue hook's progress (login/gather) asks the same chooser as the restore: before,
+    any rank's newest item counted, and a leftover of another job bought a restart."""
+    from hpc_train.login import gather
     from hpc_train.ckpt import tiers
-    assert tiers.newest_step(items) == expected
+    run_dir = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tiers, "local_items", lambda *_a, **_k: [
+            dataclasses.replace(i, info=dataclasses.replace(i.info, record={**i.info.record, "run_dir": str(run_dir)}))
+            for i in items])
+        assert gather._local_step(run_dir, ("", "c"), {"SLURM_JOB_ID": "7"}) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(table=st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9)), max_size=8), min_size=1, max_size=4),
+       world=st.integers(1, 4), floor=st.integers(-1, 9))
+def test_the_chooser_s_invariants(table, world, floor):
+    """Whatever each holder holds: the step chosen is held for every rank and not below the
+    floor, none newer is, each transfer comes from a holder of that rank's item, and the order
+    in which a holder lists its items changes nothing."""
+    from hpc_train.ckpt import tiers
+    chosen = tiers.choose(table, world, floor)
+    held = {(r, s): {q for q, pairs in enumerate(table) if (r, s) in pairs} for pairs in table for r, s in pairs}
+    full = [s for s in range(10) if s >= floor and all((r, s) in held for r in range(world))]
+    assert chosen.step == max(full, default=-1)
+    for r, q in chosen.fetches:
+        assert q in held[(r, chosen.step)] and r not in held[(r, chosen.step)]
+    assert tiers.choose([list(reversed(p)) for p in table], world, floor) == chosen
 
 
 def test_the_cleanup_asks_for_the_allocation_s_node_count_now(tmp_path):

@@ -132,15 +132,22 @@ def test_copies_carry_their_own_commit_record_and_checksums_and_ckpt_list_shows_
     assert len(shown) == 4, listing.stdout
 
 
+def _plan(table, world: int, floor: int) -> tuple[int, list[tuple[int, int]]]:
+    """The restore's one chooser (hpc_train.ckpt.tiers.choose): the step and the transfers."""
+    from hpc_train.ckpt import tiers
+    chosen = tiers.choose(table, world, floor)
+    return chosen.step, list(chosen.fetches)
+
+
 def test_the_plan_picks_the_newest_step_held_for_every_rank():
     # rank 0's node holds its own 3, 6 and rank 1's copies 3, 6; rank 1's node (a spare) holds nothing
     table = [[(0, 6), (0, 3), (1, 6), (1, 3)], []]
-    assert peer.plan_fetches(table, 2, -1) == (6, [(1, 0)])
-    assert peer.plan_fetches(table, 2, 7) == (-1, [])            # the shared tier is newer
+    assert _plan(table, 2, -1) == (6, [(1, 0)])
+    assert _plan(table, 2, 7) == (-1, [])            # the shared tier is newer
     # three nodes: rank 2's own item of step 6 is gone, its copy is on rank 0's node
     table = [[(0, 6), (2, 6)], [(1, 6), (0, 6)], [(2, 3), (1, 6)]]
-    assert peer.plan_fetches(table, 3, 4) == (6, [(2, 0)])
-    assert peer.plan_fetches([[(0, 6)], [(0, 6)]], 2, -1) == (-1, [])   # nobody holds rank 1's
+    assert _plan(table, 3, 4) == (6, [(2, 0)])
+    assert _plan([[(0, 6)], [(0, 6)]], 2, -1) == (-1, [])   # nobody holds rank 1's
 
 
 def _env(rank: int, local_rank: int, per_node: int, node: int, nodes: int) -> SimpleNamespace:

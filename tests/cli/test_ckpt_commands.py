@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +228,40 @@ def test_export_of_several_modules_asks_which(tmp_path):
     assert p.returncode == 0, show(p)
     got = torch.load(out, weights_only=True)
     assert all(torch.equal(got[k], v) for k, v in teacher.state_dict().items()) and len(got) == 4
+
+
+def _local_item(run_dir: Path, base: Path, job: str, rank: int, step: int, **record) -> Path:
+    """A node-local item of ``run_dir`` as the tier lays it out (hpc_train.config_local), with a
+    commit record; ``record``: fields that differ from this run's."""
+    from hpc_train import config, config_local
+    from hpc_train.ckpt import store
+    path = config_local.node_dir(base / f"hpc_train-{job}", run_dir, {}, "n1") / f"rank-{rank}" / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / f"rank-{rank}.pt").write_bytes(b"x")
+    digest = config.load(run_dir / "config.yaml").digest()
+    store.write_commit(path, {"step": step, "tier": "local", "run_dir": str(run_dir.resolve()), "rank": rank,
+                              "world_size": 1, "config_hash": digest, "time": 1.0, "layout": store.BUFFERS, **record},
+                       durable=False)
+    return path
+
+
+def test_ckpt_list_shows_local_items_when_the_shared_tier_has_none_and_names_what_would_not_load(tmp_path):
+    """Issue 49.5: a run whose only checkpoints are node-local items (no checkpoints/ yet) is listed,
+    not refused; an item a restart would not load (another config's) says why."""
+    rd, base = tmp_path / "run", tmp_path / "shm"
+    rd.mkdir()
+    from hpc_train import config
+    config.write(config.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=5"]), rd)
+    _local_item(rd, base, "7", 0, 5)
+    _local_item(rd, base, "7", 0, 10, config_hash="another")
+    p = hpc("ckpt", "list", rd)
+    assert p.returncode == 0, show(p)
+    lines = [ln for ln in p.stdout.splitlines() if "local n1/rank-0" in ln]
+    assert [ln.split()[0] for ln in lines] == ["10", "5"], p.stdout
+    assert "NOT LOADED: saved under another config" in lines[0] and "NOT LOADED" not in lines[1], p.stdout
+    assert hpc("ckpt", "list", tmp_path).returncode == 2   # no checkpoints at all: still refused
+    # status judges them as the restore would: step 5, the other config's step 10 named once
+    from hpc_train.login.jobs import restart_point
+    assert restart_point(rd, None) == ("restarted in place: step 5 from the node-local tier (every rank of 1 held) "
+                                       "(1 other item(s) ignored: saved under another config); a requeue: step 0 "
+                                       "(no shared checkpoint yet)")

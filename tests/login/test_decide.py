@@ -361,7 +361,9 @@ def test_refusals_and_own_signal_stops_are_never_restarted_in_place(i):
 @given(inputs())
 def test_a_time_limit_stop_is_never_lost(i):
     d = decide(i)
-    if i.finished or i.status == EXIT_USAGE or i.pending is None or i.nominal_end is None:
+    # A refused step's stop request is another job's (the one holding the run directory): that
+    # job's own hook keeps its stop.
+    if i.finished or refused(i) or i.pending is None or i.nominal_end is None:
         return
     if i.nominal_end - i.pending.received_at <= _lead_end(i):
         assert d.action in ("requeue", "stop", "none") and d.cause in ("timeout", None), d
