@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import ROOT, assert_bitwise, damage_shared_tier, export, losses
+import torch
+from slurm_helpers import PY, ROOT, assert_bitwise, damage_shared_tier, export, losses, q
 
 pytestmark = pytest.mark.slurm
 
@@ -361,3 +362,42 @@ def test_unmodified_scripts_save_at_each_time_limit_stop_in_array_tasks_and_unde
     assert slurm.wait_done(tr_job, 600) == "COMPLETED", slurm.sacct(tr_job)
     text = (tr_dir / "logs" / "rank-0.log").read_text()
     _one_requeue_per_stop(text, steps, slurm.sacct(tr_job), tr_dir)
+
+
+# tests/scripts/local_tier_loop.py on hpc_train.init(): shared saves every 4 steps, local every 3.
+LOCAL_TIER_WRAPPER = f"""import sys
+sys.path.insert(0, {str(ROOT / "tests" / "scripts")!r})
+import hpc_train
+hpc_train.init(overrides=["checkpoint.every_steps=4", "checkpoint.every_seconds=0", "checkpoint.local_every_steps=3",
+                          "checkpoint.local_dir=" + sys.argv[3], "log.tensorboard=false"])
+import local_tier_loop
+local_tier_loop.main(int(sys.argv[1]), int(sys.argv[2]))
+"""
+
+
+def test_two_srun_steps_of_one_allocation_keep_their_own_local_items(slurm, tmp_path):
+    """Issue 49.2 on the real cluster: one allocation (one node, one task) runs two plain
+    ``python`` programs on ``hpc_train.init()``, each its own run directory, as ``srun`` steps: A is
+    killed at step 7 (local items 3 and 6; its shared tier at 4), B runs to its end (which removes
+    B's items: the job id, the tier's ID, is the same for both), then A runs again in the same
+    allocation and resumes from its own local step 6, bitwise equal to B (the same loop, never
+    killed). Before, both used ``hpc_train-JOB/NODE/rank-0`` and B's end deleted A's items."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "loop.py").write_text(LOCAL_TIER_WRAPPER)
+    step = f"srun --ntasks=1 {q(PY)} loop.py 12 7 {q(shm)}"
+    script = tmp_path / "two.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --nodes=1 --ntasks=1 --time=5\n"
+                      f"#SBATCH --output={q(tmp_path / 'job.out')}\n"
+                      f"cd {q(tmp_path / 'a')} && LOCAL_TIER_KILL_RANK=0 {step} || echo \"a: $?\"\n"
+                      f"cd {q(tmp_path / 'b')} && {step}\n"
+                      f"cd {q(tmp_path / 'a')} && {step}\n")
+    job = slurm.run("sbatch", "--parsable", str(script), check=True, cwd=tmp_path).stdout.strip()
+    assert slurm.wait_done(job, 300) == "COMPLETED", (slurm.sacct(job), (tmp_path / "job.out").read_text()[-3000:])
+    rd_a, rd_b = tmp_path / "a" / "runs" / "loop", tmp_path / "b" / "runs" / "loop"
+    log_a = "".join(p.read_text() for p in sorted((rd_a / "logs").glob("rank-*.log")))
+    assert re.search(r"resumed from step 6 \(\S+/rank-0/step-6\), saved at world size 1 \(local tier", log_a), log_a
+    assert_bitwise(torch.load(rd_a / "final.pt", weights_only=True), torch.load(rd_b / "final.pt", weights_only=True))
+    assert list(shm.iterdir()) == [], list(shm.rglob("*"))
