@@ -41,6 +41,7 @@ LOCK_HELD_ENV = "HPC_TRAIN_LOCK_HELD"    # the pid of this job's process that ho
 ATTEMPT_ENV = "HPC_TRAIN_ATTEMPT"        # the batch script's job step in its allocation: 1, 2, ...
 BATCH_START_ENV = "HPC_TRAIN_BATCH_START"   # when the batch shell started (its job's own saves are newer)
 LOCAL_ID_ENV = "HPC_TRAIN_LOCAL_ID"     # the `run` launcher's ID for its workers' node-local tier (config_local)
+LOCAL_STEP_ENV = "HPC_TRAIN_LOCAL_STEP"   # the hook's choice: the next step restores this node-local tier's step
 STANDBY_ENV = "HPC_TRAIN_STANDBY"       # "1": a standby task, waiting for its go (launch.standby)
 JOIN_WARN_ENV = "HPC_TRAIN_JOIN_WARN_S"  # tests only: when a script that never joined its group is named
 

@@ -39,39 +39,27 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
     ``advice``: how the user speaks to hpc_train (an error's way out names ``--resume``, or
     ``HPC_TRAIN_RESUME`` in their own program). ``local``: this rank's :class:`hpc_train.ckpt.local.LocalTier`,
     tried first when it holds a step at least as new as the shared tier's (see :func:`_local_allowed`). When none loads: one :class:`CheckpointError` naming each."""
-    is_main = rank == 0
     t0 = time.perf_counter()
-    source: store.CkptInfo | None = None
-    plan_error: Exception | None = None
-    if is_main:
-        try:
-            # Sizes only: each rank checks the checksums of what it loads as it reads it.
-            source = store.plan(run_dir, "latest" if spec == "none" else spec, None, warn=log.warning,
-                                verify=False, requeued=requeued).source
-        except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
-            plan_error = e
     use_local = local is not None and _local_allowed(spec, requeued)
-    try:
-        source = _agree_on(source, run_dir, rank, device, multi, plan_error)
-    except (CheckpointError, UsageError) as e:
-        # Every rank raised together. The shared tier has nothing to resume from (say, its only
-        # checkpoint was still being written when a rank died), but the local tier may: try it
-        # first, and refuse as before only if it has nothing either.
-        if not use_local:
-            raise
-        shared_error, source = e, None
-    else:
-        shared_error = None
-    if use_local:
-        item = _from_local(state, local, source, rank, world_size, device, multi, kinds)
+    told = _hook_choice() if use_local else None
+    if told is not None:
+        # The hook chose "in place, from the node-local tier at step N": checked against what the
+        # ranks hold, without planning the shared tier (nothing of it is read).
+        item = _from_local(state, local, told, rank, world_size, device, multi, kinds)
         if item is not None:
-            if shared_error is not None and is_main:
+            return _restored_local(local, item, world_size, t0, "as the requeue hook chose")
+        if rank == 0:
+            log.warning("the node-local tier's step %d, the requeue hook's choice, is not held for every rank; "
+                        "planning the restore from both tiers", told)
+    source, shared_error = _shared_source(run_dir, spec, requeued, rank, device, multi, raise_now=not use_local)
+    if use_local:
+        item = _from_local(state, local, source.step if source is not None else -1, rank, world_size, device, multi,
+                           kinds)
+        if item is not None:
+            if shared_error is not None and rank == 0:
                 log.warning("the shared tier has no checkpoint to resume from (%s); the local tier has one",
                             str(shared_error).splitlines()[0])
-            log.info("resumed from %s, saved at world size %d (local tier, %.2fs)", item.label, world_size,
-                     time.perf_counter() - t0)
-            local.restored(item.step)
-            return item
+            return _restored_local(local, item, world_size, t0)
     if shared_error is not None:
         raise shared_error
     source, record = _load_shared(state, source, run_dir, rank=rank, world_size=world_size, device=device,
@@ -83,6 +71,42 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
         log.info("resumed from %s, saved at world size %s%s (shared tier, %.2fs)", source.label, saved,
                  "" if saved == world_size else f", now {world_size}: resharded", time.perf_counter() - t0)
     return source
+
+
+def _shared_source(run_dir: Path, spec: str, requeued: bool, rank: int, device: torch.device, multi: bool,
+                   raise_now: bool) -> tuple[store.CkptInfo | None, Exception | None]:
+    """Rank 0 plans the shared tier (sizes only: each rank checks the checksums of what it loads
+    as it reads it) and every rank takes its choice; with ``raise_now`` False, an error raised on
+    every rank together (no shared checkpoint to resume from, say its only one was still being
+    written when a rank died) is returned instead: the local tier may still serve."""
+    source: store.CkptInfo | None = None
+    plan_error: Exception | None = None
+    if rank == 0:
+        try:
+            source = store.plan(run_dir, "latest" if spec == "none" else spec, None, warn=log.warning,
+                                verify=False, requeued=requeued).source
+        except Exception as e:  # noqa: BLE001 - raised by _agree_on, after the other ranks hear of it
+            plan_error = e
+    try:
+        return _agree_on(source, run_dir, rank, device, multi, plan_error), None
+    except (CheckpointError, UsageError) as e:
+        if raise_now:
+            raise
+        return None, e
+
+
+def _restored_local(local, item: store.CkptInfo, world_size: int, t0: float, how: str = "") -> store.CkptInfo:
+    log.info("resumed from %s, saved at world size %d (local tier%s, %.2fs)", item.label, world_size,
+             f", {how}" if how else "", time.perf_counter() - t0)
+    local.restored(item.step)
+    return item
+
+
+def _hook_choice() -> int | None:
+    """The step the requeue hook told this job step to restore from the node-local tier
+    (``HPC_TRAIN_LOCAL_STEP``, from its typed answer), or None."""
+    told = os.environ.get(rundir.LOCAL_STEP_ENV, "")
+    return int(told) if rundir.name_number(told, "") is not None else None
 
 
 def _load_shared(state: dict[str, Any], source: store.CkptInfo | None, run_dir: Path, *, rank: int,
@@ -130,12 +154,12 @@ def _local_allowed(spec: str, requeued: bool) -> bool:
     return spec == "latest" or requeued or (attempt.isdigit() and int(attempt) > 1)
 
 
-def _from_local(state: dict[str, Any], local, shared: store.CkptInfo | None, rank: int, world_size: int,
+def _from_local(state: dict[str, Any], local, floor: int, rank: int, world_size: int,
                 device: torch.device, multi: bool, kinds: Mapping[str, str]) -> store.CkptInfo | None:
     """Load the local item every rank agrees on, if any; None (every rank together) when there
     is none or it does not load on some rank: the shared tier's restore follows and overwrites
     whatever a failed load changed. A damaged item is one warning, named by the rank that found it."""
-    item = local.choose(shared.step if shared is not None else -1, device, multi)
+    item = local.choose(floor, device, multi)
     if item is None:
         return None
     error: BaseException | None = None

@@ -38,7 +38,9 @@ from hpc_train import goodput, rundir, threads
 _ALWAYS = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel")
 _DDP = ("torch._dynamo",)
 HOLD_S = 3.0
-_GO = re.compile(r"go ([0-9]{1,9}) ([^\s]{1,4096})")   # the shell sends no resume value with a space
+# go ATTEMPT RESUME [LOCAL]: the shell sends no resume value with a space; LOCAL: the hook's
+# node-local step, or "-" (none)
+_GO = re.compile(r"go ([0-9]{1,9}) ([^\s]{1,4096})(?: ([0-9]{1,18}|-))?")
 
 
 def active() -> bool:
@@ -78,6 +80,7 @@ def await_go(cfg: Any) -> float:
     now = time.time()
     goodput.began_at(now)
     os.environ[rundir.ATTEMPT_ENV], os.environ[rundir.RESUME_ENV] = m.group(1), m.group(2)
+    os.environ[rundir.LOCAL_STEP_ENV] = m.group(3) if m.group(3) not in (None, "-") else ""
     for s, h in saved.items():
         signal.signal(s, h if h is not None else signal.SIG_DFL)
     return now - started

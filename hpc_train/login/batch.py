@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from hpc_train import config_local
 from hpc_train import threads as omp
 from hpc_train.config import Config, JobSection, time_minutes
-from hpc_train.rundir import ATTEMPT_ENV, BATCH_START_ENV, RESUME_ENV, STANDBY_ENV
+from hpc_train.rundir import ATTEMPT_ENV, BATCH_START_ENV, LOCAL_STEP_ENV, RESUME_ENV, STANDBY_ENV
 from hpc_train.login import nodes
 from hpc_train.login.decide import AGAIN, NEXT_FIELDS
 from hpc_train.login.scheduler import tasks_per_node
@@ -135,7 +135,8 @@ class Loop:
             '  local took=""',
             f'  case "${{{RESUME_ENV}:-latest}}" in *[[:space:]]*) ;; *)',
             '    if [ -n "$standby" ] && [ "$standby_nodes" = "$step_nodes" ] && kill -0 "$standby" 2>/dev/null \\',
-            f'      && printf \'go %s %s\\n\' "${ATTEMPT_ENV}" "${{{RESUME_ENV}:-latest}}" >&8; then took="$standby"; fi;;',
+            f'      && printf \'go %s %s %s\\n\' "${ATTEMPT_ENV}" "${{{RESUME_ENV}:-latest}}" "${{{LOCAL_STEP_ENV}:--}}" >&8; '
+            'then took="$standby"; fi;;',
             "  esac",
             '  exec 8>&-; standby=""',
             '  hpc_train_standby "$@"',
@@ -161,7 +162,7 @@ class Loop:
         resume value exported, srun's node arguments kept unless the hook named new ones."""
         reads = "; ".join(f"IFS= read -r hpc_train_next_{f}" for f in NEXT_FIELDS)
         return [f'{{ {reads}; }} <<< "$next" || true',
-                f'export {RESUME_ENV}="${{hpc_train_next_resume:-latest}}"',
+                f'export {RESUME_ENV}="${{hpc_train_next_resume:-latest}}" {LOCAL_STEP_ENV}="${{hpc_train_next_local:-}}"',
                 'if [ -n "${hpc_train_next_nodes:-}" ]; then step_nodes="$hpc_train_next_nodes"; fi']
 
     def cleanup(self) -> list[str]:

@@ -48,7 +48,7 @@ AGAIN = 75              # the hook's exit code that runs srun again in the alloc
 # per field, in this order, each read with ``read -r`` into ``hpc_train_next_<field>`` and never
 # evaluated as shell text (login/batch.py): the next step's HPC_TRAIN_RESUME, and srun's node
 # arguments ("" keeps the step's nodes).
-NEXT_FIELDS = ("resume", "nodes")
+NEXT_FIELDS = ("resume", "nodes", "local")
 TICK_S = 60             # slurmctld checks time limits every 30 s: a signal may come up to a tick early
 USABLE = {"allocated", "mixed", "idle", "completing"}   # sinfo states a step can use
 
@@ -122,6 +122,7 @@ class Decision:
     final: str | None = None               # the line that ends the job unrequeued
     next_nodes: str | None = None          # srun's node arguments for the next step (None: unchanged)
     next_resume: str | None = None         # HPC_TRAIN_RESUME for the next step
+    next_local: int | None = None          # the node-local tier's step the next step restores (the hook's choice)
     error: str | None = None               # the failure's first error line, kept in the record
     seen: tuple[Requeue, ...] = ()         # earlier runs requeued outside the hook, to count now
 
@@ -129,7 +130,7 @@ class Decision:
 def next_step(d: Decision) -> tuple[str, ...] | None:
     """The :data:`NEXT_FIELDS` of a step started again, or None when one cannot travel as a line
     (a line break in an explicit resume path: the shell would read it as two fields)."""
-    fields = (d.next_resume or "latest", d.next_nodes or "")
+    fields = (d.next_resume or "latest", d.next_nodes or "", "" if d.next_local is None else str(d.next_local))
     return None if any(c in f for f in fields for c in "\n\r\0") else fields
 
 
@@ -265,6 +266,14 @@ def _stop(i: Inputs, cause: str, step: int | None) -> Decision:
                     0, cause, step)
 
 
+def local_choice(i: Inputs) -> int | None:
+    """The node-local tier's step an in-place restart loads, when the tier serves it (its step
+    at least as new as the shared tier's, as the restore decides): told to the next step."""
+    if i.local_step is None or (i.newest_step is not None and i.local_step < i.newest_step):
+        return None
+    return i.local_step
+
+
 def progress(i: Inputs) -> int | None:
     """The newest step saved on either tier: what a failure's 'no progress' is judged by."""
     return max((s for s in (i.newest_step, i.local_step) if s is not None), default=None)
@@ -305,7 +314,8 @@ def _failure(i: Inputs, note: str, failed: list[int]) -> Decision:
             return Decision("in_place", f"{note}{size}{node_note}restarting in place from {_step(step)} "
                             f"(in-place budget: {used + charge} of {i.budgets.in_place} used"
                             f"{'; no progress since the last restart, counted twice' if charge == 2 else ''})",
-                            AGAIN, "failure", step, restart=entry, next_nodes=args, next_resume=resume)
+                            AGAIN, "failure", step, restart=entry, next_nodes=args, next_resume=resume,
+                            next_local=local_choice(i))
     lost_now = _lost_hosts(i)
     if lost_now and not note.strip() and why != where[3]:
         note = f"{', '.join(lost_now)} lost; "   # else said by the refusal, which lists the nodes down
@@ -422,12 +432,12 @@ def _swap(i: Inputs, p: Pending) -> Decision:
     if chosen is None:
         return Decision("in_place", f"{i.pending_note}straggler: {who} was slow, not swapped: {why}; restarting in "
                         f"place where it ran, from {_step(step)}", AGAIN, SWAP_CAUSE, step, restart=entry,
-                        next_resume=resume)
+                        next_resume=resume, next_local=local_choice(i))
     return Decision("in_place", f"{i.pending_note}straggler: {who} was slow for dist.straggler_window_s "
                     f"({i.window_s:g} s): {p.swap} swapped for {spare}; next step on {','.join(chosen)}; "
                     f"restarting in place from {_step(step)} (swap {len(i.history.swaps()) + 1}; no budget charged)",
                     AGAIN, SWAP_CAUSE, step, restart=entry, next_nodes=_args(chosen, i.srun_tasks_per_node),
-                    next_resume=resume)
+                    next_resume=resume, next_local=local_choice(i))
 
 
 def _swap_nodes(i: Inputs, slow: str, before: tuple[str, ...] | None) -> tuple[tuple[str, ...] | None, str, str]:

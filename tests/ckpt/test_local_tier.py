@@ -243,6 +243,25 @@ def test_with_no_complete_shared_checkpoint_the_local_tier_still_serves(tmp_path
 
 
 @pytest.mark.procs
+def test_a_restore_told_the_local_step_by_the_hook_does_not_plan_the_shared_tier(tmp_path, reference):
+    """Issue 49.4: the step the requeue hook chose (HPC_TRAIN_LOCAL_STEP, as the batch script
+    exports it for an in-place restart) is checked against what the ranks hold and loaded; the
+    shared tier is not planned: its only save, cut short, which the test above sees refused,
+    goes unread. The first attempt, told a step no rank holds, says so once and plans as usual."""
+    p = _torchrun(tmp_path, KILL_AT, SHARED_EVERY="0", LOCAL_TIER_UNFINISHED="1", HPC_TRAIN_LOCAL_STEP="6")
+    assert p.returncode == 0, show(p)
+    rd = tmp_path / "runs" / "loop"
+    logs = _logs(rd)
+    assert "the shared tier has no checkpoint to resume from" not in logs, logs
+    told = re.findall(r"resumed from step 6 \(\S+/step-6\), saved at world size 2 \(local tier, as the requeue hook "
+                      r"chose", logs)
+    assert len(told) == 2, logs
+    missing = [ln for ln in logs.splitlines() if "the requeue hook's choice, is not held for every rank" in ln]
+    assert len(missing) == 1 and missing[0].startswith("[rank 0]"), logs
+    _assert_bitwise(torch.load(rd / "final.pt", weights_only=True), reference)
+
+
+@pytest.mark.procs
 def test_a_flipped_bit_in_a_local_item_falls_back_to_the_shared_tier(tmp_path, reference):
     p = _torchrun(tmp_path, KILL_AT, LOCAL_TIER_FLIP="1")
     assert p.returncode == 0, show(p)

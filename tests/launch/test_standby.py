@@ -40,10 +40,10 @@ print("attempt", os.environ["HPC_TRAIN_ATTEMPT"], "resume", os.environ["HPC_TRAI
 """
 
 
-def _start(script: str = "run.sh") -> subprocess.Popen:
+def _start(script: str = "run.sh", program: str = PROGRAM) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HPC_TRAIN_STANDBY": "1", "HPC_TRAIN_ATTEMPT": "1",
-           "HPC_TRAIN_RESUME": "stale"}
-    return subprocess.Popen([sys.executable, "-c", PROGRAM, script], env=env, stdin=subprocess.PIPE,
+           "HPC_TRAIN_RESUME": "stale", "HPC_TRAIN_LOCAL_STEP": "99"}
+    return subprocess.Popen([sys.executable, "-c", program, script], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -86,6 +86,17 @@ def test_a_go_within_the_hold_is_taken_before_any_import():
     out, err = p.communicate("go 2 latest\n", timeout=60)
     assert p.returncode == 0, err
     assert out.split()[:4] == ["attempt", "2", "resume", "latest"] and out.split()[-2:] == ["torch-loaded", "False"], out
+
+
+@pytest.mark.parametrize("go, local", [("go 2 latest 205\n", "205"), ("go 2 latest -\n", ""), ("go 2 latest\n", "")])
+def test_the_go_carries_the_hook_s_node_local_step(go, local):
+    """The requeue hook's choice (restore the node-local tier's step N) reaches a standby with
+    its go, as it reaches an srun step in HPC_TRAIN_LOCAL_STEP; "-" or none: no choice (a stale
+    value from the task's start is not kept)."""
+    p = _start(script="", program=PROGRAM + 'print("local", repr(os.environ.get("HPC_TRAIN_LOCAL_STEP")))\n')
+    out, err = p.communicate(go, timeout=60)
+    assert p.returncode == 0, err
+    assert out.splitlines()[-1] == f"local {local!r}", out
 
 
 @pytest.mark.parametrize("feed,code,says", [("", 0, ""), ("go now\n", 1, "not a go line"),

@@ -175,19 +175,20 @@ def test_the_hook_s_fields_reach_the_next_step_as_data(tmp_path):
     from hpc_train.config import load
     from hpc_train.login.batch import Loop
     from hpc_train.login.decide import AGAIN, NEXT_FIELDS
-    assert NEXT_FIELDS == ("resume", "nodes")
+    assert NEXT_FIELDS == ("resume", "nodes", "local")
     loop = Loop(load("jobs/digits.yaml", []).job, python="hook")
     m = tmp_path / "pwned"
     hostile = f"/ckpt/$(touch {m}1)`touch {m}2`; touch {m}3"
     script = "\n".join([
-        f'hook() {{ if [ ! -e hooked ]; then : > hooked; printf "%s\\n%s\\n" {shlex.quote(hostile)} '
-        f'"--nodes=1 --nodelist=n2"; return {AGAIN}; fi; return 0; }}',
-        'srun() { printf "%s|%s\\n" "$HPC_TRAIN_RESUME" "$*" >> steps; }',
+        f'hook() {{ if [ ! -e hooked ]; then : > hooked; printf "%s\\n%s\\n%s\\n" {shlex.quote(hostile)} '
+        f'"--nodes=1 --nodelist=n2" 6; return {AGAIN}; fi; return 0; }}',
+        'srun() { printf "%s|%s|%s\\n" "$HPC_TRAIN_RESUME" "${HPC_TRAIN_LOCAL_STEP-unset}" "$*" >> steps; }',
         'RUN_DIR=.', *loop.before(), *loop.start(), f"{loop.srun()} train", "status=$?",
         *[ln for ln in loop.after() if "SLURM_JOB_NUM_NODES" not in ln], 'echo "end $status"'])
     ran = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                          env={"PATH": os.environ["PATH"]})
     assert ran.returncode == 0 and ran.stdout.strip().endswith("end 0"), (ran.stdout, ran.stderr, script)
     steps = (tmp_path / "steps").read_text().splitlines()
-    assert steps == ["|train", f"{hostile}|--nodes=1 --nodelist=n2 train"], script
+    # the hook's node-local step (login/decide.py's next_local) travels as the third field
+    assert steps == ["|unset|train", f"{hostile}|6|--nodes=1 --nodelist=n2 train"], script
     assert not list(tmp_path.glob("pwned*"))

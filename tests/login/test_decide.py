@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpc_train.errors import EXIT_STOPPED, EXIT_USAGE
-from hpc_train.login.decide import AGAIN, TICK_S, USABLE, Budgets, Inputs, Nodes, decide, outside_requeues, refused
+from hpc_train.login.decide import AGAIN, TICK_S, USABLE, Budgets, Inputs, Nodes, decide, next_step, outside_requeues, refused
 from hpc_train.login.nodes import PastRun, parse_runs
 from hpc_train.records.ranks import RankRecord
 from hpc_train.records.requeue import Incarnation, InPlace, Pending, Requeue, RequeueState
@@ -195,6 +195,18 @@ def test_progress_on_the_local_tier_alone_is_progress():
     assert decide(base(newest_step=200, local_step=150)).restart.step == 200
     requeue = decide(base(newest_step=200, local_step=205, budgets=Budgets(-1, 20, 1, 0)))
     assert requeue.action == "requeue" and requeue.step == 200 and "failure at step 200" in requeue.message
+
+
+@pytest.mark.parametrize("newest, local, told", [(200, 205, "205"), (200, 200, "200"), (200, 150, ""), (200, None, ""),
+                                                 (None, 5, "5")])
+def test_an_in_place_restart_tells_the_next_step_the_node_local_step_it_loads(newest, local, told):
+    """Issue 49.4: the hook's typed answer carries the node-local tier's step (next_step's third
+    field, HPC_TRAIN_LOCAL_STEP) when that tier serves the restart; the step's restore checks it
+    against what the ranks hold instead of planning the shared tier. A requeue tells none."""
+    d = decide(base(errors={0: "RuntimeError: x"}, newest_step=newest, local_step=local))
+    assert d.action == "in_place" and next_step(d)[2] == told, d
+    requeue = decide(base(newest_step=newest, local_step=local, budgets=Budgets(-1, 20, 1, 0)))
+    assert requeue.action == "requeue" and requeue.next_local is None
 
 
 def test_the_culprit_s_error_is_not_a_victim_s_lost_peer_line():
