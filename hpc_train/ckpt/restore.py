@@ -45,16 +45,17 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
     if told is not None:
         # The hook chose "in place, from the node-local tier at step N": checked against what the
         # ranks hold, without planning the shared tier (nothing of it is read).
-        item = _from_local(state, local, told, rank, world_size, device, multi, kinds)
+        item, damaged = _from_local(state, local, told, rank, world_size, device, multi, kinds)
         if item is not None:
             return _restored_local(local, item, world_size, t0, "as the requeue hook chose")
-        if rank == 0:
+        use_local = not damaged   # said once, by the rank that found it: the shared tier restores
+        if not damaged and rank == 0:
             log.warning("the node-local tier's step %d, the requeue hook's choice, is not held for every rank; "
                         "planning the restore from both tiers", told)
     source, shared_error = _shared_source(run_dir, spec, requeued, rank, device, multi, raise_now=not use_local)
     if use_local:
-        item = _from_local(state, local, source.step if source is not None else -1, rank, world_size, device, multi,
-                           kinds)
+        item, _ = _from_local(state, local, source.step if source is not None else -1, rank, world_size, device,
+                              multi, kinds)
         if item is not None:
             if shared_error is not None and rank == 0:
                 log.warning("the shared tier has no checkpoint to resume from (%s); the local tier has one",
@@ -155,13 +156,14 @@ def _local_allowed(spec: str, requeued: bool) -> bool:
 
 
 def _from_local(state: dict[str, Any], local, floor: int, rank: int, world_size: int,
-                device: torch.device, multi: bool, kinds: Mapping[str, str]) -> store.CkptInfo | None:
-    """Load the local item every rank agrees on, if any; None (every rank together) when there
-    is none or it does not load on some rank: the shared tier's restore follows and overwrites
-    whatever a failed load changed. A damaged item is one warning, named by the rank that found it."""
+                device: torch.device, multi: bool, kinds: Mapping[str, str]) -> tuple[store.CkptInfo | None, bool]:
+    """Load the local item every rank agrees on, if any: (the item, False); (None, False) when there
+    is none; (None, True), every rank together, when it does not load on some rank: the shared
+    tier's restore follows and overwrites whatever a failed load changed. A damaged item is one
+    warning, named by the rank that found it."""
     item = local.choose(floor, device, multi)
     if item is None:
-        return None
+        return None, False
     error: BaseException | None = None
     try:
         if not item.complete:   # a copy that could not be fetched (see LocalTier.choose)
@@ -178,7 +180,7 @@ def _from_local(state: dict[str, Any], local, floor: int, rank: int, world_size:
         why = str(error).splitlines()[0] if str(error) else type(error).__name__
         log.warning("skipping local checkpoint %s: it does not load: %s; restoring from the shared tier",
                     item.label, why)
-    return None if failed else item
+    return (None, True) if failed else (item, False)
 
 
 def _none_loads(root: Path, tried: list[tuple[int, str]], advice: Advice) -> str:

@@ -262,8 +262,9 @@ def test_a_restore_told_the_local_step_by_the_hook_does_not_plan_the_shared_tier
 
 
 @pytest.mark.procs
-def test_a_flipped_bit_in_a_local_item_falls_back_to_the_shared_tier(tmp_path, reference):
-    p = _torchrun(tmp_path, KILL_AT, LOCAL_TIER_FLIP="1")
+@pytest.mark.parametrize("told", ["", "6"])   # "6": the requeue hook chose that step (issue 49.4)
+def test_a_flipped_bit_in_a_local_item_falls_back_to_the_shared_tier(tmp_path, reference, told):
+    p = _torchrun(tmp_path, KILL_AT, LOCAL_TIER_FLIP="1", HPC_TRAIN_LOCAL_STEP=told)
     assert p.returncode == 0, show(p)
     rd = tmp_path / "runs" / "loop"
     logs = _logs(rd)
