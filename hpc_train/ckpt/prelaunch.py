@@ -99,7 +99,7 @@ def _local_items_here(run_dir: Path, cfg: Config | None) -> bool:
     if cfg is None or not config_local.enabled(cfg.checkpoint):
         return False
     ident = tiers.Identity.of(run_dir, cfg.digest())
-    return any(i.slot == 0 and not i.copy and i.info.complete and tiers.foreign(i.info.record, ident) is None
+    return any(i.slot == 0 and not i.copy and i.info.complete and i.why_not(ident) is None
                for i in tiers.on_node(tiers.node_here(cfg.checkpoint.local_dir, run_dir)))
 
 

@@ -15,12 +15,16 @@ restore loads one, and a damaged one there falls back as a missing one would.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_train import config_local, rundir
 from hpc_train.ckpt import store
+
+if TYPE_CHECKING:
+    from hpc_train.config import Config
 
 TIER = "local"   # the commit record's "tier" (hpc_train.ckpt.local writes it)
 
@@ -67,10 +71,13 @@ def foreign(record: Mapping[str, object], ident: Identity, job: str | None = Non
 class Choice:
     """A restart's answer: ``step`` (-1: none at or above the floor: the shared tier's), the
     world size it was saved at, and the transfers ``(rank, from)`` for the ranks whose node does
-    not hold their own item (the holders' indices as the asker numbered them)."""
+    not hold their own item (the holders' indices as the asker numbered them); with no step,
+    ``damaged`` says when one was held for every rank but an item the restore would load fails
+    its checksums (the restore then goes to the shared tier, as here)."""
     step: int = -1
     world_size: int | None = None
     fetches: tuple[tuple[int, int], ...] = ()
+    damaged: str = ""   # why the newest step held for every rank does not serve: an item it loads fails its checks
 
     @property
     def local(self) -> bool:
@@ -107,6 +114,19 @@ class LocalItem:
     def rank(self) -> int | None:
         r = self.info.record.get("rank")
         return r if isinstance(r, int) and not isinstance(r, bool) else None
+
+    @property
+    def world(self) -> int | None:
+        w = self.info.record.get("world_size")
+        return w if isinstance(w, int) and not isinstance(w, bool) else None
+
+    def why_not(self, ident: Identity) -> str | None:
+        """Why this complete item would not serve a restart of ``ident`` (:func:`foreign`, or it lies
+        in another rank's directory than its record names, which the restore never loads), else None."""
+        why = foreign(self.info.record, ident, self.job)
+        if why is None and self.slot is not None and self.slot != self.rank:
+            why = f"in rank-{self.slot}'s directory, saved by rank {self.rank}"
+        return why
 
 
 def numbered(parent: Path, prefix: str) -> list[tuple[int, Path]]:
@@ -154,27 +174,64 @@ def _subdirs(parent: Path, prefix: str = "") -> list[Path]:
         return []
 
 
-def restart(items: Sequence[LocalItem], ident: Identity, floor: int = -1) -> Choice:
+def restart(items: Sequence[LocalItem], ident: Identity, floor: int = -1,
+            verify: Callable[[store.CkptInfo], str | None] | None = None) -> Choice:
     """What an in-place restart would load of ``items`` (each node directory one holder): the
     newest step held for every rank, at ``ident``'s world size and job, or, where the asker does
-    not know them, of the job and world size of the newest such step (never a mix of two)."""
-    groups: dict[tuple[str | None, int], dict[str, list[tuple[int, int]]]] = {}
+    not know them, of the job and world size of the newest such step (never a mix of two).
+    ``verify`` (:func:`hpc_train.ckpt.store.verify_checksums`): the items that step's restore
+    would load are checked as the restore checks them; a damaged one makes the answer the shared
+    tier's, as it does the restore's."""
+    groups: dict[tuple[str | None, int], list[LocalItem]] = {}
     for i in items:
-        rec = i.info.record
-        if i.info.complete and foreign(rec, ident, i.job) is None:
-            world, rank = int(str(rec["world_size"])), int(str(rec["rank"]))   # ints: foreign checked
-            groups.setdefault((i.job, world), {}).setdefault(i.node, []).append((rank, i.info.step))
-    best = Choice()
-    for (_, world), nodes in sorted(groups.items(), key=lambda g: (g[0][1], str(g[0][0]))):
+        if i.info.complete and i.why_not(ident) is None:
+            groups.setdefault((i.job, int(str(i.world))), []).append(i)   # an int: foreign checked
+    best, held = Choice(), []
+    for (job, world), members in sorted(groups.items(), key=lambda g: (g[0][1], str(g[0][0]))):
+        nodes: dict[str, list[tuple[int, int]]] = {}
+        for i in members:
+            nodes.setdefault(i.node, []).append((int(str(i.rank)), i.info.step))
         c = choose(list(nodes.values()), world, floor)
         if c.local and c.step >= best.step:
-            best = c
-    return best
+            best, held = c, [i for i in members if i.info.step == c.step]
+    return best if verify is None or not best.local else _checked(best, held, verify)
 
 
-def restart_here(run_dir: Path, local_dir: str, ident: Identity, floor: int = -1) -> Choice:
-    """:func:`restart` over the items this machine sees (``status``, ``ckpt list``, the hook)."""
-    return restart(local_items(run_dir, local_dir), ident, floor)
+def _checked(choice: Choice, held: Sequence[LocalItem], verify: Callable[[store.CkptInfo], str | None]) -> Choice:
+    """``choice``, unless an item its restore loads fails ``verify``: for each rank, its own
+    node's item, else the copy on the first node holding one (the restore's order)."""
+    loaded: dict[int, LocalItem] = {}
+    for i in sorted(held, key=lambda i: (i.copy, i.node)):
+        loaded.setdefault(int(str(i.rank)), i)
+    for r, i in sorted(loaded.items()):
+        problem = verify(i.info)
+        if problem is not None:
+            return Choice(damaged=f"step {choice.step} of rank {r} ({i.info.path}): {problem}")
+    return choice
+
+
+def loads(choice: Choice, shared: int | None) -> str:
+    """What an in-place restart loads, in words (``status`` and ``ckpt list`` say it alike):
+    ``choice`` from :func:`restart`, ``shared`` the shared tier's newest complete step (None: none)."""
+    if choice.local and (shared is None or choice.step >= shared):
+        return f"step {choice.step} from the node-local tier (every rank of {choice.world_size} held)"
+    on_shared = f"the shared tier's step {shared}" if shared is not None else "step 0 (no shared checkpoint yet)"
+    if choice.local:
+        return f"{on_shared} (the node-local tier's newest, step {choice.step}, is older)"
+    return f"{on_shared} (the node-local tier's {choice.damaged})" if choice.damaged else on_shared
+
+
+def view(run_dir: Path, cfg: Config | None, job: str | None = None) -> tuple[list[LocalItem], Identity]:
+    """The items of ``run_dir``'s node-local tier this machine sees, and the identity a restart of
+    the run judges them by: the run directory, its config's digest (``cfg``: its config.yaml; None:
+    unreadable, any), and its last start's world size and tier ID as rank 0's record says them,
+    or ``job``, the asker's own (the requeue hook's job)."""
+    from hpc_train.records import ranks
+    last, _ = ranks.read(run_dir, 0)
+    ident = Identity.of(run_dir, cfg.digest() if cfg is not None else None,
+                        last.world_size if last is not None else None,
+                        job or (last.tier_id if last is not None else "") or None)
+    return local_items(run_dir, cfg.checkpoint.local_dir if cfg is not None else ""), ident
 
 
 def not_this_runs(items: Sequence[LocalItem], ident: Identity) -> list[tuple[LocalItem, str]]:
@@ -182,7 +239,7 @@ def not_this_runs(items: Sequence[LocalItem], ident: Identity) -> list[tuple[Loc
     and why: another job's, world size's or config's leftovers."""
     out = []
     for i in items:
-        why = foreign(i.info.record, ident, i.job) if i.info.complete else None
+        why = i.why_not(ident) if i.info.complete else None
         if why:
             out.append((i, why))
     return out

@@ -68,33 +68,46 @@ def _when(i: store.CkptInfo) -> str:
 
 def _local_view(run_dir: Path) -> tuple[list[tiers.LocalItem], tiers.Identity]:
     """The node-local tier's items of this run that this machine can see, and the identity a
-    restart would judge them by (hpc_train.ckpt.tiers): those of its own node(s) when ``ckpt
+    restart would judge them by (hpc_train.ckpt.tiers.view): those of its own node(s) when ``ckpt
     list`` runs where the run does; a login node sees none."""
     from hpc_train import config
     try:
         cfg = config.load(run_dir / rundir.CONFIG)
-        local_dir, digest = cfg.checkpoint.local_dir, cfg.digest()
     except (UsageError, OSError):
-        local_dir, digest = "", None
-    return tiers.local_items(run_dir, local_dir), tiers.Identity.of(run_dir, digest)
+        cfg = None
+    return tiers.view(run_dir, cfg)
 
 
 def _list_local(run_dir: Path) -> None:
     """The local items (a login node, or a run without the tier: nothing to say); each that a
     restart of this run would not load says why (another config's, a world size's, a record
-    that is not this run's)."""
+    that is not this run's). Then what a restart in place loads, as the restore decides it."""
     seen, ident = _local_view(run_dir)
-    if not seen:
-        return
     why = {id(item): reason for item, reason in tiers.not_this_runs(seen, ident)}
-    print("local tier (node-local, one item per rank; the newest step every rank holds is restored first):")
+    if seen:
+        print("local tier (node-local, one item per rank; the newest step every rank holds is restored first):")
     for item in seen:
         i = item.info
-        where = f"{item.node}/{config_local.COPIES + '/' if item.copy else ''}rank-{i.record.get('rank')}"
+        where = _where(item)
         status = "" if i.complete else f"  INCOMPLETE: {i.problem}"
         status += f"  NOT LOADED: {why[id(item)]}" if id(item) in why else ""
         print(f"{i.step:>8}  {_when(i)}  {i.size / 1e6:>8.2f}MB  {i.record.get('world_size', '-'):>5}  "
               f"{'copy ' if item.copy else 'local'} {where}  {i.path}{status}")
+    _restart_line(run_dir, seen, ident)
+
+
+def _where(item: tiers.LocalItem) -> str:
+    return f"{item.node}/{config_local.COPIES + '/' if item.copy else ''}rank-{item.info.record.get('rank')}"
+
+
+def _restart_line(run_dir: Path, seen: list[tiers.LocalItem], ident: tiers.Identity) -> None:
+    """What a restart in place loads, as the restore decides it (hpc_train.ckpt.tiers), when this
+    machine sees items of the run's node-local tier (from elsewhere, ``status`` says what it can)."""
+    if not seen:
+        return
+    shared = store.newest_complete(run_dir)
+    chosen = tiers.restart(seen, ident, verify=store.verify_checksums)
+    print(f"a restart in place loads {tiers.loads(chosen, shared.step if shared else None)}")
 
 
 def verify_one(info: store.CkptInfo) -> str | None:
@@ -126,14 +139,23 @@ def verify_one(info: store.CkptInfo) -> str | None:
 
 
 def cmd_verify(run_dir: Path) -> int:
+    """Every shared checkpoint, and every node-local item of this run this machine sees, read back
+    against its checksums; then what a restart in place loads. Exit 1 when one is damaged."""
     infos = store.scan(run_dir)
     bad = 0
     for info in infos:
         problem = verify_one(info)
         bad += problem is not None
         print(f"step {info.step}: {'ok' if problem is None else 'BAD: ' + problem}")
-    if not infos:
+    seen, ident = _local_view(run_dir)
+    mine = [i for i in seen if not i.info.complete or i.why_not(ident) is None]
+    for item in mine:
+        problem = item.info.problem if not item.info.complete else store.verify_checksums(item.info)
+        bad += problem is not None
+        print(f"local step {item.info.step} ({_where(item)}): {'ok' if problem is None else 'BAD: ' + problem}")
+    if not infos and not mine:
         print("no checkpoints")
+    _restart_line(run_dir, seen, ident)
     return 1 if bad else 0
 
 
@@ -193,7 +215,7 @@ def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False, k
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    run_dir = _run_dir(args.run_dir, local_too=args.ckpt_command == "list")
+    run_dir = _run_dir(args.run_dir, local_too=args.ckpt_command in ("list", "verify"))
     if args.ckpt_command == "list":
         return cmd_list(run_dir)
     if args.ckpt_command == "verify":

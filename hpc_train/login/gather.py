@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_train import rundir
-from hpc_train.config import JobSection
+from hpc_train.config import Config, JobSection
 from hpc_train.errors import EXIT_USAGE
 from hpc_train.login import nodes
 from hpc_train.login.decide import Budgets, Inputs, Nodes
@@ -44,15 +44,15 @@ def _int(env: Mapping[str, str], key: str, default: int = 0) -> int:
     return int(raw) if raw.isdigit() and len(raw) <= 18 else default
 
 
-def _job(path: Path) -> tuple[JobSection, bool, float, tuple[str, str] | None, str]:
-    """The job section of the job's config, whether it runs a script, its straggler window, its
-    ``checkpoint.local_dir`` and the config's digest when it keeps the node-local tier (else
-    None), and, when the config cannot be read, the defaults and why."""
+def _job(path: Path) -> tuple[JobSection, bool, float, Config | None, str]:
+    """The job section of the job's config, whether it runs a script, its straggler window, the
+    config itself when it keeps the node-local tier (else None), and, when the config cannot be
+    read, the defaults and why."""
     from hpc_train import config, config_local
     from hpc_train.errors import UsageError
     try:
         cfg = config.load(path)
-        local = (cfg.checkpoint.local_dir, cfg.digest()) if config_local.enabled(cfg.checkpoint) else None
+        local = cfg if config_local.enabled(cfg.checkpoint) else None
         return cfg.job, bool(cfg.train.script), cfg.dist.straggler_window_s, local, ""
     except (UsageError, OSError) as e:
         return (JobSection(), False, config.DistSection().straggler_window_s, None,
@@ -123,14 +123,14 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     return inputs, history
 
 
-def _local_step(run_dir: Path, local: tuple[str, str], env: Mapping[str, str]) -> int | None:
+def _local_step(run_dir: Path, cfg: Config, env: Mapping[str, str]) -> int | None:
     """The step an in-place restart of this job would load from the node-local tier, of the
     items this node sees (on a cluster, its own node's and the copies it keeps): the restore's
-    own answer (hpc_train.ckpt.tiers), so another job's leftovers buy no restart."""
-    from hpc_train.ckpt import tiers
-    local_dir, digest = local
-    ident = tiers.Identity.of(run_dir, digest, None, env.get("SLURM_JOB_ID") or None)
-    chosen = tiers.restart_here(run_dir, local_dir, ident)
+    own answer (hpc_train.ckpt.tiers), so another job's or world size's leftovers, or a damaged
+    item, buy no restart."""
+    from hpc_train.ckpt import store, tiers
+    items, ident = tiers.view(run_dir, cfg, env.get("SLURM_JOB_ID") or None)
+    chosen = tiers.restart(items, ident, verify=store.verify_checksums)
     return chosen.step if chosen.local else None
 
 

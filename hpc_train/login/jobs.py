@@ -214,47 +214,28 @@ def restart_point(run_dir: Path, shared: store.CkptInfo | None) -> str | None:
     """What an in-place restart (a crash, a lost node, a swap; the same allocation) starts from
     when the run keeps the node-local tier: the restore's own answer (hpc_train.ckpt.tiers) over
     the items this machine sees, judged as the restore judges them (this run, its config, its
-    last job and world size). A requeue lands on nodes that hold nothing, so it always starts
-    from the shared tier (``shared``: its newest complete checkpoint, as for
-    :func:`resume_point`). None when the run has no local tier."""
+    last start's tier ID and world size; the checksums of what it would load). A requeue lands
+    on nodes that hold nothing, so it always starts from the shared tier (``shared``: its newest
+    complete checkpoint, as for :func:`resume_point`). None when the run has no local tier."""
     from hpc_train import config, config_local
-    from hpc_train.ckpt import tiers
+    from hpc_train.ckpt import store, tiers
     try:
         cfg = config.load(run_dir / rundir.CONFIG)
     except (UsageError, OSError):
         return None
     if not config_local.enabled(cfg.checkpoint):
         return None
-    items = tiers.local_items(run_dir, cfg.checkpoint.local_dir)
-    ident = tiers.Identity.of(run_dir, cfg.digest(), _last_world(run_dir), _last_job(run_dir))
-    held = tiers.restart(items, ident)
+    items, ident = tiers.view(run_dir, cfg)
+    held = tiers.restart(items, ident, verify=store.verify_checksums)
     ignored = tiers.not_this_runs(items, ident)
     aside = f" ({len(ignored)} other item(s) ignored: {ignored[0][1]})" if ignored else ""
-    on_shared = f"the shared tier's step {shared.step}" if shared is not None else "step 0 (no shared checkpoint yet)"
-    if not held.local:
+    shared_step = shared.step if shared is not None else None
+    on_shared = tiers.loads(tiers.Choice(), shared_step)
+    if not items:
         return (f"restarted in place: the node-local tier's newest step held for every rank, if newer (its nodes' "
-                f"directories are not visible from here), else {on_shared}{aside}; a requeue: {on_shared}")
-    if shared is not None and shared.step > held.step:
-        return (f"restarted in place: {on_shared} (the node-local tier's newest, step {held.step}, is older){aside}; "
-                f"a requeue: the same")
-    return (f"restarted in place: step {held.step} from the node-local tier (every rank of {held.world_size} "
-            f"held){aside}; a requeue: {on_shared}")
-
-
-def _last_world(run_dir: Path) -> int | None:
-    """The world size of the run's last start, as rank 0's record says (None: not known)."""
-    from hpc_train.records import ranks
-    rec, _ = ranks.read(run_dir, 0)
-    return rec.world_size if rec is not None else None
-
-
-def _last_job(run_dir: Path) -> str | None:
-    """The run's last Slurm job id, the local tier's ID of its items (None: not submitted, or an
-    array task's, whose own job id job.json does not hold)."""
-    from hpc_train.records import jobs as jobs_rec
-    entries, _ = jobs_rec.read(run_dir)
-    last = entries[-1].job_id if entries else ""
-    return last if last.isdigit() else None
+                f"directories are not visible from here), else {on_shared}; a requeue: {on_shared}")
+    again = "the same" if not held.local or (shared_step is not None and shared_step > held.step) else on_shared
+    return f"restarted in place: {tiers.loads(held, shared_step)}{aside}; a requeue: {again}"
 
 
 _PIECE = 1 << 20     # how much of a log is read at a time

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_train import rundir
+from hpc_train import config_local, rundir
 from hpc_train.records import io
 from hpc_train.records import fields
 from hpc_train.records.fields import Bad
@@ -78,6 +78,7 @@ class RankRecord:
     ended: str | None = None  # finished | stopped | returned
     left: str | None = None   # "stop": left code a stop ended
     addr: str = ""            # the host's address, as a peer's transport names it in an error
+    tier_id: str = ""         # the node-local tier's ID of this rank's items (hpc_train.config_local.run_id)
 
     @property
     def said_its_end(self) -> bool:
@@ -100,7 +101,7 @@ def _parse(raw: Mapping[str, object], rank: int) -> RankRecord:
     return RankRecord(rank, fields.text(raw, "node", host), host, fields.opt_count(raw, "pid"), fields.text(raw, "job", ""),
                       fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0), fields.text(raw, "launch", ""),
                       fields.opt_count(raw, "world_size", lo=1), fields.opt_number(raw, "started"), ended, left,
-                      fields.text(raw, "addr", ""))
+                      fields.text(raw, "addr", ""), fields.text(raw, "tier_id", ""))
 
 
 def read(run_dir: Path, rank: int) -> tuple[RankRecord | None, str | None]:
@@ -154,7 +155,8 @@ def begin(run_dir: Path, rank: int, world_size: int | None) -> Path:
     rundir.remove_record(rundir.rank_error(run_dir, rank))
     io.write_json(p, {"rank": rank, "host": socket.gethostname(), "node": node_name(), "pid": os.getpid(),
                           "job": step.job, "restart": step.restart, "attempt": step.attempt, "launch": step.launch,
-                          "world_size": world_size, "started": time.time(), "addr": host_address()})
+                          "world_size": world_size, "started": time.time(), "addr": host_address(),
+                          "tier_id": config_local.run_id(os.environ, os.getppid(), os.environ.get(rundir.LOCAL_ID_ENV))})
     return p
 
 

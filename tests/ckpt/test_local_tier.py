@@ -449,14 +449,18 @@ def test_the_restart_takes_only_this_run_s_items(items, ident, expected):
 def test_the_hook_s_local_progress_is_the_step_a_restart_loads(tmp_path, items, expected):
     """The requeue hook's progress (login/gather) asks the same chooser as the restore: before,
     any rank's newest item counted, and a leftover of another job bought a restart."""
+    from hpc_train import config
     from hpc_train.login import gather
     from hpc_train.ckpt import tiers
     run_dir = tmp_path / "run"
+    cfg = config.Config()
+    mine = {"run_dir": str(run_dir), "config_hash": cfg.digest()}   # the items' "c" is this config
     with pytest.MonkeyPatch.context() as m:
         m.setattr(tiers, "local_items", lambda *_a, **_k: [
-            dataclasses.replace(i, info=dataclasses.replace(i.info, record={**i.info.record, "run_dir": str(run_dir)}))
+            dataclasses.replace(i, info=dataclasses.replace(i.info, record={
+                **i.info.record, **(mine if i.info.record["config_hash"] == "c" else {"run_dir": str(run_dir)})}))
             for i in items])
-        assert gather._local_step(run_dir, ("", "c"), {"SLURM_JOB_ID": "7"}) == expected
+        assert gather._local_step(run_dir, cfg, {"SLURM_JOB_ID": "7"}) == expected
 
 
 @settings(max_examples=300, deadline=None)

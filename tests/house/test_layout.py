@@ -363,9 +363,10 @@ def test_a_rank_s_life_has_one_teardown_and_one_way_out(path):
 
 # Below the lifecycle a module takes the config section it uses (issue 48.7). The exceptions hold
 # the config as a whole because the whole is their subject: the lifecycle's session (it hands the
-# sections out), the pre-launch sequence (it writes config.yaml) and the compatibility check (it
-# compares one run's config with another's).
-WHOLE_CONFIG = {"node/session.py", "ckpt/prelaunch.py", "ckpt/compat.py"}
+# sections out), the pre-launch sequence (it writes config.yaml), the compatibility check (it
+# compares one run's config with another's) and the tiers' chooser (a local item serves only the
+# config whose digest its record carries: the digest of the whole).
+WHOLE_CONFIG = {"node/session.py", "ckpt/prelaunch.py", "ckpt/compat.py", "ckpt/tiers.py"}
 
 
 @pytest.mark.parametrize("path", sorted([*(PKG / "node").glob("*.py"), *(PKG / "ckpt").glob("*.py")]),

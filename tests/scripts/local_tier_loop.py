@@ -40,7 +40,11 @@ def main(steps: int, kill_at: int = 0) -> dict:
     state = {"model": model, "optim": optim, "loader": loader, "step": 0}
     if not os.environ.get("LOCAL_TIER_NO_RESTORE"):   # a loop that never resumes: the tier is built later
         run.restore(state)
-    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    # LOCAL_TIER_AGAIN: a later start of the same command (the same config, so the same local
+    # items serve it) that kills nothing.
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not os.environ.get("LOCAL_TIER_AGAIN")
+    # LOCAL_TIER_KILL_AT: kill at this step instead, the command (and so the config) unchanged.
+    kill_at = int(os.environ.get("LOCAL_TIER_KILL_AT", kill_at))
     loss = torch.zeros(())
     while state["step"] < steps:
         for x, y in loader:
