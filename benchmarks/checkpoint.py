@@ -1,7 +1,7 @@
 """Checkpoint benchmark (issue 3): what a save costs, against what the disk can do.
 
 One run, 2 gloo ranks (torch.multiprocessing), the real hpc_train Trainer's state holding an MLP whose
-model + Adam state is >= 200 MB, saved through the real ``hpc_train.ckpt.save.Checkpointer``:
+model + Adam state is >= 200 MB, saved through the real ``hpc_train.ckpt.shared.save.Checkpointer``:
 
 * **sync save**: ``Checkpointer.save(blocking=True)``: rank files, DCP shards from both ranks
   (fsync'd by DCP), ``.metadata``, then rank 0's commit record (fsync'd, directory fsync'd).
@@ -130,10 +130,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from hpc_train import config
-    from hpc_train.ckpt import save as checkpoint
+    from hpc_train.ckpt.shared import save
     from hpc_train.ckpt.common import dir_for
-    from hpc_train.ckpt.crc import ChecksummingWriter
-    from hpc_train.ckpt.load import load as ckpt_load
+    from hpc_train.ckpt.shared.crc import ChecksummingWriter
+    from hpc_train.ckpt import load, store
     from hpc_train.node import group as distributed
     from hpc_train.node import environment
     from hpc_train.run import Run
@@ -157,7 +157,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
     tensors = [*model_sd.values(), *(v for per_param in optim_sd["state"].values() for v in per_param.values())]
     state_bytes = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
-    ck = checkpoint.Checkpointer(cfg.checkpoint, run_dir, rank, world)
+    ck = save.Checkpointer(cfg.checkpoint, run_dir, rank, world)
     # The timing barriers' own group: a barrier on the checkpointer's group while its async save
     # runs collectives there in the background would interleave with them (and hang).
     pg = dist.new_group(backend="gloo")
@@ -166,8 +166,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     import copy
     overlapped, no_overlap = copy.deepcopy(cfg.checkpoint), copy.deepcopy(cfg.checkpoint)
     overlapped.overlap_staging, no_overlap.overlap_staging = "always", "never"
-    ck_over = checkpoint.Checkpointer(overlapped, run_dir, rank, world)
-    ck_plain = checkpoint.Checkpointer(no_overlap, run_dir, rank, world)
+    ck_over = save.Checkpointer(overlapped, run_dir, rank, world)
+    ck_plain = save.Checkpointer(no_overlap, run_dir, rank, world)
     model, optim = trainer.model, trainer.optimizer
     gen = torch.Generator().manual_seed(rank)
     xb, yb = torch.randn(8, 1, 28, 28, generator=gen), torch.randint(0, 10, (8,), generator=gen)
@@ -228,7 +228,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         t = timed(lambda: ck.save(state, step, blocking=True))
         sync_dir = dir_for(run_dir, step)
         ckpt_bytes = _dir_bytes(sync_dir)
-        from hpc_train.ckpt import store as resume
         record = json.loads((sync_dir / "commit.json").read_text())
         # What the checksums cost a save: the same DCP save through hpc_train's writer (CRC32C of
         # every buffer as it is written) and through DCP's own, with the same threads and fsync.
@@ -237,10 +236,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         for summed in ((True, False) if rep % 2 == 0 else (False, True)):
             if summed:
                 t_dcp_crc = timed(lambda: dcp.save(raw, process_group=pg, storage_writer=ChecksummingWriter(
-                    str(root / f"crc-{step}"), thread_count=checkpoint.IO_THREADS, sync_files=True)))
+                    str(root / f"crc-{step}"), thread_count=save.IO_THREADS, sync_files=True)))
             else:
                 t_dcp_plain = timed(lambda: dcp.save(raw, process_group=pg, storage_writer=dcp.FileSystemWriter(
-                    str(root / f"plain-{step}"), thread_count=checkpoint.IO_THREADS, sync_files=True)))
+                    str(root / f"plain-{step}"), thread_count=save.IO_THREADS, sync_files=True)))
         if rank == 0:
             shutil.rmtree(root / f"crc-{step}")
             shutil.rmtree(root / f"plain-{step}")
@@ -304,14 +303,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             if rank == 0:
                 _evict(sync_dir)
             dist.barrier(group=pg)
-            return (timed(lambda: ckpt_load(state, sync_dir, rank, world)),
-                    timed(lambda: ckpt_load(state, sync_dir, rank, world)))
+            return (timed(lambda: load.load(state, sync_dir, rank, world)),
+                    timed(lambda: load.load(state, sync_dir, rank, world)))
         # The load with the save's own record (every item checked as it is read), then the same
         # checkpoint with a record that has no checksums (nothing checked), alternating per round.
         plain_first = rep % 2 == 1
         for with_sums in ((False, True) if plain_first else (True, False)):
             if rank == 0:
-                resume.write_commit(sync_dir, record, sums=record["checksums"] if with_sums else None,
+                store.write_commit(sync_dir, record, sums=record["checksums"] if with_sums else None,
                                     checksums=with_sums)
             dist.barrier(group=pg)
             if with_sums:
@@ -336,7 +335,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         t_copy = timed(lambda: dst.copy_(src))
         src = dst = None                     # free them (the lambda above holds the names, not a copy)
         if rank == 0:
-            for d in list(resume.ckpt_root(run_dir).iterdir()):
+            for d in list(store.ckpt_root(run_dir).iterdir()):
                 shutil.rmtree(d, ignore_errors=True)
         if keep:
             for k, v in zip(KEYS, (t, float(blocked), one, t_copy, t_ov - one, t_nov - one, total, t_raw, float(raw_blocked),

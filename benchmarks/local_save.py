@@ -36,7 +36,7 @@ def child(saves: int, model_name: str) -> dict[str, float]:
     torch.set_num_threads(1)
     import hpc_train
     from hpc_train import config as config_mod
-    from hpc_train.ckpt.local import LocalTier
+    from hpc_train.ckpt.local.tier import LocalTier
     from hpc_train.trainer.models import MLP, ConvNet
 
     model = ConvNet() if model_name == "convnet" else MLP(hidden=2048)

@@ -1,13 +1,13 @@
 """Where the node-local checkpoint tier lives, and the rules of its config (torch-free).
 
-The local tier (:mod:`hpc_train.ckpt.local`) keeps each rank's whole state in its own node's
+The local tier (:mod:`hpc_train.ckpt.local.tier`) keeps each rank's whole state in its own node's
 memory or disk. Its directory is a pure function of the config, the environment, the run directory and two
 facts of the process (its parent's pid, the host's name), so that the worker that saves, the one
 restarted in place that restores, the launcher and the batch script that remove it, and
 ``ckpt list`` all name the same path without passing it around::
 
     BASE/hpc_train-ID/RUN/NODE/rank-R/step-N/     a rank's own items (DCP files, app.pt, rank-R.pt, commit.json)
-    BASE/hpc_train-ID/RUN/NODE/copies/rank-R/step-N/  a copy of rank R's item, R on the previous node (hpc_train.ckpt.peer)
+    BASE/hpc_train-ID/RUN/NODE/copies/rank-R/step-N/  a copy of rank R's item, R on the previous node (hpc_train.ckpt.local.peer)
     BASE/hpc_train-ID/RUN/NODE/.beats/rank-R          a ``--script`` supervisor's heartbeat (hpc_train.node.beats)
 
 * BASE: ``checkpoint.local_dir``, else ``$SLURM_TMPDIR``, else ``$TMPDIR``, else ``/dev/shm``.
@@ -39,7 +39,7 @@ from hpc_train.errors import UsageError
 PREFIX = "hpc_train-"
 CLEANUP_STEP = "hpc_train-cleanup"   # the cleanup's job step name (sacct tells it from training's steps)
 DEFAULT_BASE = "/dev/shm"
-COPIES = "copies"   # a buddy's copies beside the node's own (hpc_train.ckpt.peer)
+COPIES = "copies"   # a buddy's copies beside the node's own (hpc_train.ckpt.local.peer)
 BEATS = ".beats"    # a --script's supervisors' heartbeats, where every rank runs on this node (hpc_train.node.beats)
 
 

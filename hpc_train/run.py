@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpc_train import config_local, rundir
-from hpc_train.ckpt import state as state_mod
+from hpc_train.ckpt.state import kinds_of
 from hpc_train.config import Config
 from hpc_train.errors import EXIT_STOPPED, UsageError
 from hpc_train.node import guard
@@ -77,7 +77,7 @@ class Run:
         self._ckpt = None
         from hpc_train.node.report import Reporter
         self._report = Reporter(cfg.log, self.run_dir, self.is_main)
-        self._local = None   # the node-local tier (hpc_train.ckpt.local), once asked for
+        self._local = None   # the node-local tier (hpc_train.ckpt.local.tier), once asked for
         self._start_step = 0
         self._resumed_from: int | None = None   # see Checkpointer.resumed_from; None: no restore
         self._last_state: Mapping[str, Any] | None = None
@@ -172,14 +172,14 @@ class Run:
     def _kinds(self, state: Mapping[str, Any]) -> dict[str, str]:
         keys = tuple(state)
         if self._kinds_cache is None or self._kinds_cache[0] != keys:
-            self._kinds_cache = (keys, state_mod.kinds(state))
+            self._kinds_cache = (keys, kinds_of(state))
         elif isinstance(state["step"], bool) or not isinstance(state["step"], int):
-            state_mod.kinds(state)   # raises the clear error
+            kinds_of(state)   # raises the clear error
         return self._kinds_cache[1]
 
     def _checkpointer(self):
         if self._ckpt is None and self.config.checkpoint.enabled:
-            from hpc_train.ckpt.save import Checkpointer
+            from hpc_train.ckpt.shared.save import Checkpointer
             self._ckpt = Checkpointer(self.config.checkpoint, self.run_dir, self.rank, self.world_size,
                                       self.checkpoint_record, timeout_s=self.config.dist.timeout_s)
             self._ckpt.resumed_from = self._resumed_from
@@ -187,7 +187,7 @@ class Run:
 
     def _local_tier(self):
         if self._local is None and config_local.enabled(self.config.checkpoint):
-            from hpc_train.ckpt.local import LocalTier
+            from hpc_train.ckpt.local.tier import LocalTier
             self._local = LocalTier(self.config.checkpoint, self.config.dist, self.run_dir, self.rank, self.world_size,
                                     self.checkpoint_record, env=self.env)
         return self._local
@@ -198,14 +198,14 @@ class Run:
         rank 0's choice, and falls back to an older checkpoint together if any rank cannot
         load it (see :func:`hpc_train.ckpt.restore.restore`)."""
         from hpc_train import goodput
-        from hpc_train.ckpt import restore as restore_mod
+        from hpc_train.ckpt import restore
         from hpc_train.ckpt import store
         kinds = self._kinds(state)
         self.stop.listening = True   # code that restores will call step_end: a stop waits for it
         t_load = time.time()
         before = self._progress.enter("restore")
         goodput.mark("restore")
-        source = restore_mod.restore(state, self.run_dir, rank=self.rank, world_size=self.world_size,
+        source = restore.restore(state, self.run_dir, rank=self.rank, world_size=self.world_size,
                                      device=self.device, multi=self._multi, kinds=kinds,
                                      spec=os.environ.get(rundir.RESUME_ENV, "latest"),
                                      requeued=self.env.restart_count > 0,

@@ -297,11 +297,11 @@ def one_line_exit2(p: subprocess.CompletedProcess, *needles: str) -> str:
 def plant(ck, name: str, payload: bytes) -> None:
     """Replace one file of a checkpoint and update its commit record to match (size and checksum),
     as an attacker would: the checksums guard against rot, safe loading against this."""
-    from hpc_train.ckpt import store as resume
+    from hpc_train.ckpt import store
     (ck / name).write_bytes(payload)
     rec = json.loads((ck / "commit.json").read_text())
     rec["files"][name] = len(payload)
-    rec["checksums"]["files"][name] = resume.file_checksum(ck / name)
+    rec["checksums"]["files"][name] = store.file_checksum(ck / name)
     (ck / "commit.json").write_text(json.dumps(rec))
 
 

@@ -2,7 +2,7 @@
 
 ``commit.json`` records, under ``checksums``, the algorithm, one checksum per file and, for
 DCP's shard files, one per storage item (``items``: ``[offset, length, checksum]``). They are
-computed by whoever writes the bytes, as they are written (:mod:`hpc_train.ckpt.crc`), never by
+computed by whoever writes the bytes, as they are written (:mod:`hpc_train.ckpt.shared.crc`), never by
 reading the files back. Readers check what they read against them (:class:`Checks`): a resume
 sums each item it loads in the buffers ``torch.load`` reads it into (:class:`CheckedItem`), so
 verifying costs one CRC of bytes already in cache, not a second read or a copy; ``ckpt verify``

@@ -8,6 +8,7 @@ by rank 0 once every rank's share is on disk, ``commit.json`` (see :mod:`hpc_tra
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 import warnings
@@ -15,12 +16,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, get_state_dict
 
 from hpc_train import rundir
 from hpc_train.ckpt import store
-from hpc_train.ckpt.state import is_plain
+from hpc_train.ckpt.checksum import extend, hexdigest
+from hpc_train.ckpt.state import is_plain, rng_state
 from hpc_train.errors import UsageError
 
 log = logging.getLogger("hpc_train")
@@ -101,3 +104,36 @@ def why(e: BaseException) -> str:
     line = (named or lines or [type(e).__name__])[-1]
     # DCP re-raises a rank's error as "module.Class: message"; hpc_train's own need no prefix.
     return line.removeprefix("hpc_train.errors.CheckpointError: ")
+
+
+def app_state(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+    return {k: (plain_of(k, state[k]) if kind == "stateful" else state[k])
+            for k, kind in kinds.items() if kind in ("stateful", "plain")}
+
+
+def rank_state(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+    """This rank's own: RNG states, per-rank objects, and its plain values (which may differ
+    from rank to rank; see hpc_train.ckpt.state)."""
+    return {"rng": rng_state(),
+            "objects": {k: plain_of(k, state[k]) for k, kind in kinds.items() if kind == "per_rank"},
+            "plain": {k: state[k] for k, kind in kinds.items() if kind == "plain"}}
+
+
+def save_pt(obj: Any, path: Path) -> str:
+    """``torch.save`` into memory, then one plain write; returns the bytes' CRC32C. torch's own
+    file writer reports a full disk as "[enforce fail at inline_container.cc] unexpected pos
+    ..."; Python's write raises OSError ENOSPC, which the error line names. Only for the small
+    files (a rank's RNG state, the app state): the buffer is a second copy."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    with open(path, "wb") as f:
+        f.write(data)
+    return hexdigest(extend(0, data))
+
+
+def digest(obj: Any) -> str:
+    """A fingerprint of a plain value, to tell whether ranks hold the same one."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return hexdigest(extend(0, buf.getvalue()))

@@ -18,13 +18,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-from hpc_train.ckpt import flat
-from hpc_train.ckpt import state as state_mod
 from hpc_train.ckpt import store
 from hpc_train.ckpt.checksum import Checks
 from hpc_train.ckpt.common import APP_FILE, dcp_state, owner_module, rank_file, why
+from hpc_train.ckpt.local import flat
 from hpc_train.ckpt.safe import SafePlanner, SafeReader, safe_torch_load
-from hpc_train.ckpt.state import set_rng_state
+from hpc_train.ckpt.state import kinds_of, set_rng_state
 from hpc_train.errors import CheckpointError, UsageError
 
 __all__ = ["CheckpointError", "check_keys", "load"]
@@ -51,12 +50,12 @@ def load(state: dict[str, Any], path: Path, rank: int, world_size: int,
     """Restore ``state`` in place from a complete checkpoint (resharding if the world size
     changed), checking the checksums of every byte read. Returns the commit record. A
     :class:`CheckpointError` says why the checkpoint does not load; the caller names it.
-    ``single``: one rank's own item of the local tier (:mod:`hpc_train.ckpt.local`), read by
+    ``single``: one rank's own item of the local tier (:mod:`hpc_train.ckpt.local.tier`), read by
     this rank alone, with no collective."""
     info = store.inspect(path)
     if not info.complete:
         raise CheckpointError(f"not complete: {info.problem}")
-    kinds = kinds or state_mod.kinds(state)
+    kinds = kinds or kinds_of(state)
     check_keys(path, info.record.get("state"), kinds)
     checks = Checks(path, info.record)
     saved = info.record.get("world_size")
@@ -140,7 +139,7 @@ def _load_at_other_world_size(state: dict[str, Any], kinds: dict[str, str], path
 
 def _load_local_item(state: dict[str, Any], kinds: dict[str, str], path: Path, record: dict[str, Any], rank: int,
                      world_size: int, checks: Checks) -> dict[str, Any]:
-    """A local item's modules and optimizers (:mod:`hpc_train.ckpt.flat`); returns this rank's
+    """A local item's modules and optimizers (:mod:`hpc_train.ckpt.local.flat`); returns this rank's
     own file, which holds the item's layout."""
     layout, saved = record.get("layout"), record.get("world_size")
     if layout != flat.LAYOUT:

@@ -85,7 +85,7 @@ def _decide(run_dir: Path, cfg: Config | None, resume: str, signature: dict[str,
     try:
         return store.plan(run_dir, resume, signature, warn=warn, verify=verify, requeued=requeued)
     except store.NoneComplete as e:
-        # No complete shared checkpoint, but this node's local tier (hpc_train.ckpt.local) holds
+        # No complete shared checkpoint, but this node's local tier (hpc_train.ckpt.local.tier) holds
         # this run's work: the restore tries it first, and refuses as this would if it cannot.
         if resume != "latest" or not _local_items_here(run_dir, cfg):
             raise

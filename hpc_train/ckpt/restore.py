@@ -37,7 +37,7 @@ def restore(state: dict[str, Any], run_dir: Path, *, rank: int, world_size: int,
     ``spec``: ``latest``, ``none`` (the launcher already moved old checkpoints aside) or a path;
     ``requeued``: a requeued job goes on from its own newest checkpoint, not a given path;
     ``advice``: how the user speaks to hpc_train (an error's way out names ``--resume``, or
-    ``HPC_TRAIN_RESUME`` in their own program). ``local``: this rank's :class:`hpc_train.ckpt.local.LocalTier`,
+    ``HPC_TRAIN_RESUME`` in their own program). ``local``: this rank's :class:`hpc_train.ckpt.local.tier.LocalTier`,
     tried first when it holds a step at least as new as the shared tier's (see :func:`_local_allowed`). When none loads: one :class:`CheckpointError` naming each."""
     t0 = time.perf_counter()
     use_local = local is not None and _local_allowed(spec, requeued)

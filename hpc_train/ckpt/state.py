@@ -77,7 +77,7 @@ def is_plain(value: Any) -> bool:
     return False
 
 
-def kinds(state: Mapping[str, Any]) -> dict[str, str]:
+def kinds_of(state: Mapping[str, Any]) -> dict[str, str]:
     """Every entry's kind; checks that ``step`` is there and is an integer."""
     if not isinstance(state, Mapping):
         raise UsageError(f"state must be a dict of state objects, got {type(state).__name__}")

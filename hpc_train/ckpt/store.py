@@ -48,7 +48,7 @@ from hpc_train.records import result
 
 COMMIT = rundir.COMMIT
 METADATA = ".metadata"
-BUFFERS = "buffers"   # a local item's "layout" (hpc_train.ckpt.flat): raw files and a rank-R.pt, no DCP files
+BUFFERS = "buffers"   # a local item's "layout" (hpc_train.ckpt.local.flat): raw files and a rank-R.pt, no DCP files
 CHECKSUM = checksum.CRC32C  # the algorithm write_commit records; see hpc_train.ckpt.checksum
 def step_of(name: str) -> int | None:
     """N of a step directory's name ``step-N`` (see :func:`hpc_train.rundir.name_number`)."""
@@ -272,6 +272,35 @@ class ResumePlan:
         return str(self.source.path) if self.source else "latest"
 
 
+def _given(run_dir: Path, mode: str, signature: dict[str, Any] | None, warn, verify: bool,
+           requeued: bool) -> ResumePlan:
+    """:func:`plan` for ``--resume PATH`` (a step directory or another run directory)."""
+    path = Path(mode)
+    if not path.exists():
+        raise UsageError(f"--resume {mode}: no such checkpoint directory (use latest, none, or a "
+                         f"RUN_DIR/checkpoints/step-N path; `python -m hpc_train ckpt list RUN_DIR` lists them)")
+    if path.is_dir() and ckpt_root(path).is_dir():   # a run directory was given
+        found = newest_complete(path, warn, verify)
+        if found is None:
+            raise UsageError(f"--resume {mode}: that run directory has no complete checkpoint")
+        path = found.path
+    own = newest_complete(run_dir, warn, verify) if requeued else None
+    if own is not None:          # a requeued run continues from its own newest save
+        check_compatible(own, signature)
+        return ResumePlan(own)
+    if not path.is_dir():
+        raise UsageError(f"--resume {mode}: not a directory (give a RUN_DIR/checkpoints/step-N directory or a "
+                         f"run directory)")
+    info = inspect(path)
+    if not info.complete:
+        raise UsageError(f"--resume {mode}: checkpoint is not complete: {info.problem}")
+    problem = verify_checksums(info) if verify else None
+    if problem is not None:
+        raise UsageError(f"--resume {mode}: checkpoint is damaged: {problem}")
+    check_compatible(info, signature)
+    return ResumePlan(info)
+
+
 def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn=None,
          verify: bool = True, requeued: bool = False) -> ResumePlan:
     """Decide what to resume from. Raises :class:`UsageError` before anything is changed.
@@ -296,30 +325,7 @@ def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn
             result.move_aside(run_dir, stamp)
         return ResumePlan(None, moved_aside=aside if infos else None)
     if mode != "latest":
-        path = Path(mode)
-        if not path.exists():
-            raise UsageError(f"--resume {mode}: no such checkpoint directory (use latest, none, or a "
-                             f"RUN_DIR/checkpoints/step-N path; `python -m hpc_train ckpt list RUN_DIR` lists them)")
-        if path.is_dir() and ckpt_root(path).is_dir():   # a run directory was given
-            found = newest_complete(path, warn, verify)
-            if found is None:
-                raise UsageError(f"--resume {mode}: that run directory has no complete checkpoint")
-            path = found.path
-        own = newest_complete(run_dir, warn, verify) if requeued else None
-        if own is not None:          # a requeued run continues from its own newest save
-            check_compatible(own, signature)
-            return ResumePlan(own)
-        if not path.is_dir():
-            raise UsageError(f"--resume {mode}: not a directory (give a RUN_DIR/checkpoints/step-N directory or a "
-                             f"run directory)")
-        info = inspect(path)
-        if not info.complete:
-            raise UsageError(f"--resume {mode}: checkpoint is not complete: {info.problem}")
-        problem = verify_checksums(info) if verify else None
-        if problem is not None:
-            raise UsageError(f"--resume {mode}: checkpoint is damaged: {problem}")
-        check_compatible(info, signature)
-        return ResumePlan(info)
+        return _given(run_dir, mode, signature, warn, verify, requeued)
     # Warnings are collected, not printed: when none is usable, the error below names them all.
     skipped: list[str] = []
     found = newest_complete(run_dir, skipped.append, verify)
@@ -351,7 +357,7 @@ def write_commit(path: Path, record: dict[str, Any], sums: dict[str, Any] | None
     ``sums``: the checksums computed as the files were written (``{"files": {name: crc},
     "items": {name: rows}}``, CRC32C); a file they do not cover is read back, with a warning.
     ``checksums``: ``False`` records none (only to measure their cost). ``durable=False``: atomic
-    (tmp, rename) but not fsync'd, for the node-local tier (see :mod:`hpc_train.ckpt.local`)."""
+    (tmp, rename) but not fsync'd, for the node-local tier (see :mod:`hpc_train.ckpt.local.tier`)."""
     record = dict(record)
     names = [p for p in sorted(path.iterdir()) if p.is_file() and p.name != COMMIT and not p.name.endswith(".tmp")]
     record["files"] = {p.name: p.stat().st_size for p in names}

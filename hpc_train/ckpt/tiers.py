@@ -1,6 +1,6 @@
 """Which step a restart loads, from which tier: the one answer, without torch.
 
-The restore (:meth:`hpc_train.ckpt.local.LocalTier.choose`, after one all-gather of what each
+The restore (:meth:`hpc_train.ckpt.local.tier.LocalTier.choose`, after one all-gather of what each
 rank's node holds), ``status``, ``ckpt list`` and the requeue hook's progress check all ask
 :func:`choose`, each over what it can see, and judge each item with :func:`foreign`, as the
 restore does: an item serves only its own run (the run directory's real path, the config's
@@ -26,7 +26,7 @@ from hpc_train.ckpt import store
 if TYPE_CHECKING:
     from hpc_train.config import Config
 
-TIER = "local"   # the commit record's "tier" (hpc_train.ckpt.local writes it)
+TIER = "local"   # the commit record's "tier" (hpc_train.ckpt.local.tier writes it)
 
 
 def node_here(local_dir: str, run_dir: Path | str) -> Path:
@@ -106,7 +106,7 @@ def choose(table: Sequence[Iterable[tuple[int, int]]], world: int, floor: int) -
 class LocalItem:
     info: store.CkptInfo
     node: str           # the node directory's name (the Slurm node name)
-    copy: bool          # a peer's copy (hpc_train.ckpt.peer), not the node's own item
+    copy: bool          # a peer's copy (hpc_train.ckpt.local.peer), not the node's own item
     job: str | None = None   # the tier's ID (``hpc_train-ID``)
     slot: int | None = None  # R of the ``rank-R`` directory it lies in (its record must say the same)
 

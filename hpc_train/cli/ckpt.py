@@ -204,7 +204,7 @@ def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False, k
         if not info.complete:
             raise UsageError(f"ckpt export: step {step} is not complete: {info.problem}")
     key = _module_key(info, key)
-    from hpc_train.ckpt.export import CheckpointError, export
+    from hpc_train.ckpt.shared.export import CheckpointError, export
     try:
         n = export(info.path, Path(out), key)
     except CheckpointError as e:   # e.g. unsafe or unreadable .metadata: one line, exit 2

@@ -265,7 +265,7 @@ def launch(nproc: int, config_path: Path, run_dir: Path, resume: str = "latest",
 
 
 def _remove_local_tier(config_path: Path) -> None:
-    """The run's node-local checkpoint tier (hpc_train.ckpt.local) ends with the run: this launch's
+    """The run's node-local checkpoint tier (hpc_train.ckpt.local.tier) ends with the run: this launch's
     directory (named by the ID this process handed its workers, which their --script's programs
     inherit) under the config's checkpoint.local_dir and under the default base (a script may set
     its own), even after a failure (nothing restarts a `run` in place) or a kill of the workers."""

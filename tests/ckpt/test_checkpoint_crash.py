@@ -23,7 +23,7 @@ import time
 
 from helpers import REPO, clean_env, kill9_workers, load_full, run, show, write_config
 
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store
 from hpc_train.cli.ckpt import verify_one
 
 # Every test here starts real training processes: not in `make test-fast`.
@@ -36,13 +36,13 @@ CRASH_CFG = {"model": {"name": "mlp", "hidden": 2048, "dropout": 0.1},
 
 
 def _newest_step(rd) -> int:
-    info = resume.newest_complete(rd)
+    info = store.newest_complete(rd)
     return info.step if info else 0
 
 
 def _classify(rd, newest: int) -> str:
     """Where in a save the kill landed, judged by the newest step directory's files."""
-    partial = [i for i in resume.scan(rd) if not i.complete and i.step > newest]
+    partial = [i for i in store.scan(rd) if not i.complete and i.step > newest]
     if not partial:
         return "between saves"
     names = {p.name for p in partial[0].path.iterdir()}
@@ -88,10 +88,10 @@ def test_kill9_during_checkpoint_writes_never_resumes_from_partial(tmp_path):
             assert f"resumed from step {before} (" in text and f"step-{before}), saved at world size" in text, \
                 text[-5000:]
 
-        newest = resume.newest_complete(rd)
+        newest = store.newest_complete(rd)
         assert newest is not None and newest.step > before
         where[_classify(rd, newest.step)] += 1
-        scanned = resume.scan(rd)
+        scanned = store.scan(rd)
         assert newest.step in [i.step for i in scanned if i.complete], [i.step for i in scanned]
         for info in scanned:
             if info.complete:                   # what resume may pick: must be whole and loadable
@@ -108,4 +108,4 @@ def test_kill9_during_checkpoint_writes_never_resumes_from_partial(tmp_path):
     p = run(cfg, rd, sets=(f"train.max_steps={last + 3}",))
     assert p.returncode == 0, show(p)
     assert f"resuming from step {last} " in p.stderr, show(p)
-    assert resume.newest_complete(rd).step == last + 3
+    assert store.newest_complete(rd).step == last + 3

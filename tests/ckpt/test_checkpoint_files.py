@@ -21,7 +21,7 @@ import pytest
 
 from helpers import clean_env, hpc, run, show, snapshot, steps, write_config
 
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store
 
 # Every test here starts real training processes: not in `make test-fast`.
 pytestmark = pytest.mark.procs
@@ -83,7 +83,7 @@ def logs(rd) -> str:
 def test_commit_records_crc32c_per_file_and_per_item_computed_while_writing(base):
     _, rd, p = base
     assert "reading it back" not in p.stderr + logs(rd), show(p)   # no file needed a second read
-    for info in resume.scan(rd):
+    for info in store.scan(rd):
         sums = info.record["checksums"]
         assert sums["algorithm"] == "crc32c" and set(sums["files"]) == set(info.record["files"])
         assert {".metadata", "app.pt", "rank-0.pt", "rank-1.pt"} <= set(sums["files"])
@@ -290,7 +290,7 @@ def test_plain_values_come_back_per_rank(tmp_path):
     for r in (0, 1):                              # each rank its own, at the same world size
         assert _restored(tmp_path, "same-world", r, 2) == {"who": f"rank-{r}", "mine": [float(r)], "shared": 7,
                                                            "step": 2}
-    info = resume.newest_complete(rd)
+    info = store.newest_complete(rd)
     assert info.step == 3 and info.record["differs_by_rank"] == ["mine", "who"], info.record
     (rd / "result.json").unlink()
     p = _script_run(tmp_path, rd, "one-rank", 1, 4)

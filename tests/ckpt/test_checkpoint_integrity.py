@@ -14,7 +14,7 @@ import pytest
 
 from helpers import crc32c, hpc, intact, run, show, snapshot, steps, write_config
 
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store
 from hpc_train.config import CheckpointSection
 from hpc_train.errors import CheckpointError
 
@@ -54,7 +54,7 @@ def test_commit_records_crc32_of_every_file(base):
     """Each recorded checksum is the file's CRC32C as an independent implementation computes it
     (checked against hpc_train's own verify alone, checksums that were all zero would pass)."""
     _, rd = base
-    scanned = resume.scan(rd)
+    scanned = store.scan(rd)
     assert [i.step for i in scanned] == [6, 4, 2]
     for info in scanned:
         sums = info.record["checksums"]
@@ -62,7 +62,7 @@ def test_commit_records_crc32_of_every_file(base):
         assert {".metadata", "app.pt", "rank-0.pt", "rank-1.pt"} <= set(sums["files"])
         for name, want in sums["files"].items():
             assert crc32c((info.path / name).read_bytes()) == want, (info.path, name)
-        assert resume.verify_checksums(info) is None
+        assert store.verify_checksums(info) is None
 
 
 @pytest.mark.procs
@@ -75,11 +75,11 @@ def test_a_bit_flip_in_any_file_is_detected(copy):
     for name in names:
         original = (ck / name).read_bytes()
         flip_bit(ck / name, rng)
-        info = resume.inspect(ck)
+        info = store.inspect(ck)
         assert info.complete                                   # sizes cannot see it ...
         assert verify_one(info) is not None, name             # ... the checks can
         (ck / name).write_bytes(original)
-    assert verify_one(resume.inspect(ck)) is None
+    assert verify_one(store.inspect(ck)) is None
     flip_bit(ck / "__0_0.distcp", rng)
     v = hpc("ckpt", "verify", rd)
     assert v.returncode == 1, show(v)
@@ -121,10 +121,10 @@ def test_malformed_commit_record_is_skipped_not_a_traceback(copy, damage):
     _, rd = copy
     COMMIT_DAMAGE[damage](rd / "checkpoints" / "step-6")
     warned: list[str] = []
-    p = resume.plan(rd, "latest", warn=warned.append)
+    p = store.plan(rd, "latest", warn=warned.append)
     assert p.source.step == 4
     assert len(warned) == 1 and "step-6" in warned[0] and "commit record is unreadable" in warned[0], warned
-    assert resume.newest_complete(rd).step == 4
+    assert store.newest_complete(rd).step == 4
 
 
 def _rank1_flip(ck):
@@ -172,7 +172,7 @@ def test_resume_falls_back_past_a_damaged_newest(copy, damage):
     aside = list((rd / "checkpoints").glob("step-6.skipped-*"))
     assert len(aside) == 1 and snapshot(aside[0]) == damaged
     assert snapshot(rd / "checkpoints" / "step-4") == step4
-    assert verify_one(resume.inspect(ck6)) is None
+    assert verify_one(store.inspect(ck6)) is None
 
 
 
@@ -246,9 +246,9 @@ def test_prune_moves_skipped_and_partial_aside_and_bounds_them(copy):
     assert p.returncode == 0, show(p)
     assert "resuming from step 4 " in p.stderr, show(p)
     assert steps(rd) == [9, 6]                                  # the new step-6 (re-saved) and step-9
-    names = sorted(a.name.split(".skipped-")[0] for a in resume.moved_aside(rd))
+    names = sorted(a.name.split(".skipped-")[0] for a in store.moved_aside(rd))
     assert len(names) == KEEP_SKIPPED and names[-2:] == ["step-6", "step-8"], names
-    assert {a.name for a in resume.moved_aside(rd)} & {f"step-2.skipped-{1600000000 + k}" for k in range(2)} == set()
+    assert {a.name for a in store.moved_aside(rd)} & {f"step-2.skipped-{1600000000 + k}" for k in range(2)} == set()
     lst = hpc("ckpt", "list", rd)
     assert f"moved aside: {KEEP_SKIPPED} (the newest {KEEP_SKIPPED} are kept: checkpoint.keep_skipped)" in lst.stdout, show(lst)
     assert "disk use of" in lst.stdout
@@ -301,13 +301,13 @@ def test_random_bit_flips_never_resume_from_damage_nor_delete_intact(tmp_path):
     outcomes = []
     for round_ in range(ROUNDS):
         (rd / "result.json").unlink()           # a finished run does nothing: ask for more steps
-        complete = [i for i in resume.scan(rd) if i.complete]
+        complete = [i for i in store.scan(rd) if i.complete]
         victim = rng.choice(complete)
         name = rng.choice(sorted(victim.record["files"]))
         at = flip_bit(victim.path / name, rng)
         # Intact as an independent CRC32C says (judged by hpc_train's own checks, the test would
         # pass with checksums that see nothing).
-        intact_now = {i.path.name: snapshot(i.path) for i in resume.scan(rd) if i.complete and intact(i.path)}
+        intact_now = {i.path.name: snapshot(i.path) for i in store.scan(rd) if i.complete and intact(i.path)}
         expected = max((int(n[5:]) for n in intact_now), default=None)
         top += rng.choice((1, 2, 3))
         p = run(cfg, rd, sets=(f"train.max_steps={top}",))
@@ -317,14 +317,14 @@ def test_random_bit_flips_never_resume_from_damage_nor_delete_intact(tmp_path):
         loaded = os.path.basename(m.group(2))
         assert loaded in intact_now and int(m.group(1)) == expected, (round_, seed, loaded, sorted(intact_now), show(p))
         # No intact checkpoint deleted, except by keep: only those older than the `keep` newest complete.
-        now = [i for i in resume.scan(rd) if i.complete]
+        now = [i for i in store.scan(rd) if i.complete]
         kept_floor = now[keep - 1].step if len(now) >= keep else -1
         for n, snap in intact_now.items():
             if (rd / "checkpoints" / n).exists():
                 continue
             assert int(n[5:]) < kept_floor, (round_, seed, n, [i.step for i in now])
         assert now and all(intact(i.path) for i in now), (round_, seed)   # damage never stays in place
-        assert len(resume.moved_aside(rd)) <= KEEP_SKIPPED
+        assert len(store.moved_aside(rd)) <= KEEP_SKIPPED
         outcomes.append(f"{victim.path.name}/{name}: resumed {loaded}")
     print(f"{ROUNDS} rounds, every resume loaded the newest intact checkpoint:")
     print("\n".join(outcomes))

@@ -1,4 +1,4 @@
-"""The local tier's layout (hpc_train.ckpt.flat): a rank's tensors as one raw file per dtype, and
+"""The local tier's layout (hpc_train.ckpt.local.flat): a rank's tensors as one raw file per dtype, and
 a skeleton that says where each lies. Through the real write and read on disk (the ones every
 local item goes through, checksums included), any nesting of tensors and plain values comes back
 bitwise; a module and an optimizer (a fresh one, with no state yet) resume bitwise; a state that
@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_train.ckpt import flat
+from hpc_train.ckpt.local import flat
 from hpc_train.ckpt.checksum import CRC32C, Checks
 from hpc_train.errors import CheckpointError
 

@@ -41,7 +41,7 @@ hpc_train.init(overrides=["checkpoint.every_steps=" + os.environ.get("SHARED_EVE
 if os.environ.get("LOCAL_TIER_WHERE_BUILT"):
     # Where each rank's tier is built: whether DDP's communication hook is on the stack then.
     import traceback
-    from hpc_train.ckpt.local import LocalTier
+    from hpc_train.ckpt.local.tier import LocalTier
     _init = LocalTier.__init__
     def _where(self, *a, **kw):
         hooked = any(f.name == "_agreement_hook" for f in traceback.extract_stack())
@@ -53,7 +53,7 @@ if os.environ.get("LOCAL_TIER_SLOW_WRITE"):
     # A fake slow disk (a fault this machine's /dev/shm cannot show): each local item's write
     # starts this many seconds late, on the tier's writer thread.
     import time
-    from hpc_train.ckpt.local import LocalTier
+    from hpc_train.ckpt.local.tier import LocalTier
     _write = LocalTier._write
     def _slow(self, *a, **kw):
         time.sleep(float(os.environ["LOCAL_TIER_SLOW_WRITE"]))
@@ -64,7 +64,7 @@ if os.environ.get("LOCAL_TIER_DIE_WRITING") and os.environ.get("TORCHELASTIC_RES
     # real, at a chosen moment): rank 1 is killed 1 s into its write of step 6. Rank 0 records
     # every step_end it completes, to compare with the step restored.
     import signal, time
-    from hpc_train.ckpt.local import LocalTier
+    from hpc_train.ckpt.local.tier import LocalTier
     from hpc_train.run import Run
     _write, _step_end = LocalTier._write, Run.step_end
     def _dying(self, staged, small, path, step, *a, **kw):
@@ -504,7 +504,7 @@ def test_a_symlink_among_the_local_items_is_neither_listed_nor_removed_through(t
     it (a restore would read it), and a restore to an older step, which removes the newer items,
     leaves the link's target untouched."""
     from hpc_train import config as config_mod
-    from hpc_train.ckpt.local import LocalTier
+    from hpc_train.ckpt.local.tier import LocalTier
     base, run_dir = tmp_path / "shm", tmp_path / "run"
     base.mkdir()
     run_dir.mkdir()
@@ -534,7 +534,7 @@ def test_the_newest_items_are_kept_across_saves_and_a_restore(tmp_path):
     newer items, and the next save reads the directory again (a restore can fetch an item from
     a peer into it: here one of step 2)."""
     from hpc_train import config as config_mod
-    from hpc_train.ckpt.local import LocalTier
+    from hpc_train.ckpt.local.tier import LocalTier
     base, run_dir = tmp_path / "shm", tmp_path / "run"
     base.mkdir()
     run_dir.mkdir()
@@ -578,7 +578,7 @@ def test_a_pruned_item_s_files_are_overwritten_by_the_next_save_never_through_a_
     it, and commits an item whose checksums verify and whose weights load bitwise."""
     from hpc_train import config as config_mod
     from hpc_train.ckpt import load, store
-    from hpc_train.ckpt.local import SPARE, LocalTier
+    from hpc_train.ckpt.local.tier import SPARE, LocalTier
     base, run_dir = tmp_path / "shm", tmp_path / "run"
     base.mkdir()
     run_dir.mkdir()
@@ -628,7 +628,7 @@ def test_a_pruned_item_s_files_are_overwritten_by_the_next_save_never_through_a_
 def test_a_parameter_that_is_not_finite_is_found_and_a_large_finite_one_is_not(bad):
     """The local tier's check before a save: a sum that is not finite is checked element by
     element, so an overflow of finite values is not taken for a divergence."""
-    from hpc_train.ckpt.flat import finite as _finite
+    from hpc_train.ckpt.local.flat import finite as _finite
     big = [torch.full((1000,), 3e38), torch.ones(3, dtype=torch.bfloat16), torch.ones(2, dtype=torch.complex64)]
     assert _finite(big)
     assert _finite([])

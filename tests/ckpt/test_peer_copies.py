@@ -30,7 +30,8 @@ import torch
 from helpers import clean_env, hpc, show
 from test_local_tier import STEPS, KILL_AT, WRAPPER, _assert_bitwise, _logs, _port
 
-from hpc_train.ckpt import peer, store
+from hpc_train.ckpt import store
+from hpc_train.ckpt.local import peer
 
 
 def _two_nodes(cwd: Path, kill_at: int, restarts: str = "1",

@@ -192,7 +192,7 @@ def test_malicious_rank_file_is_refused_on_resume(copy, tmp_path):
 def _save_in_process(run_dir, state) -> None:
     """One real checkpoint of ``state`` at its step, written by the Checkpointer in this process
     (world size 1), as a user's own loop writes it."""
-    from hpc_train.ckpt.save import Checkpointer
+    from hpc_train.ckpt.shared.save import Checkpointer
     from hpc_train.config import CheckpointSection
     ck = Checkpointer(CheckpointSection(), run_dir, 0, 1)
     ck.save(state, state["step"], blocking=True)

@@ -215,7 +215,7 @@ def test_every_torch_free_module_is_in_the_torch_free_contract(graph):
 def test_the_login_side_is_forbidden_every_torch_module_of_ckpt(graph):
     contract = _contract("The login side is torch-free")
     torch_ckpt = {m for m in graph.modules if m.startswith("hpc_train.ckpt.") and _reaches_torch(graph, m)}
-    assert {"hpc_train.ckpt.save", "hpc_train.ckpt.local"} <= torch_ckpt
+    assert {"hpc_train.ckpt.shared.save", "hpc_train.ckpt.local.tier"} <= torch_ckpt
     missing = torch_ckpt - set(contract["forbidden_modules"])
     assert not missing, f"ckpt modules with torch that the login contract does not forbid: {sorted(missing)}"
 

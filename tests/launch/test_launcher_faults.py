@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, children, clean_env, hpc, load_full, one_line_exit2, show, start, write_config
 
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:
@@ -174,10 +174,10 @@ def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
         # The frozen main thread's stack: inside the checkpointer's save or load, in the object's hook.
         hook, inside = {"save": ("state_dict", "_save"), "load": ("load_state_dict", "load")}[phase]
         assert re.search(rf'plugins_for_tests\.py", line \d+ in {hook}\n', log), log[-3000:]
-        module = {"_save": "save", "load": "load"}[inside]   # ckpt/save.py's Checkpointer._save, ckpt/load.py's load
+        module = {"_save": "save", "load": "load"}[inside]   # ckpt/shared/save.py's Checkpointer._save, ckpt/load.py's load
         assert re.search(rf'hpc_train/ckpt/{module}\.py", line \d+ in {inside}\n', log), log[-3000:]
     assert "Traceback" not in err
-    complete = [info for info in resume.scan(rd) if info.complete]
+    complete = [info for info in store.scan(rd) if info.complete]
     if phase != "step":
         assert complete, "the saves before the freeze (or the checkpoint being loaded) are complete"
     for info in complete:                        # nothing half-written counts as complete
@@ -199,7 +199,7 @@ def test_divergence_stops_the_run_and_saves_nothing_non_finite(tmp_path):
     # Nothing was saved for the diverged step, and the checkpoints before it are there: a loop
     # over none would pass on nothing.
     assert not (rd / "checkpoints" / f"step-{diverged}").exists(), sorted(os.listdir(rd / "checkpoints"))
-    scanned = resume.scan(rd)
+    scanned = store.scan(rd)
     assert scanned and all(info.step < diverged for info in scanned), [i.step for i in scanned]
     assert [info for info in scanned if info.complete], "no complete checkpoint before the divergence"
     import torch
@@ -282,7 +282,7 @@ def test_full_and_read_only_disks_are_one_line(small_disk):
     assert "No space left on device" in p.stderr, show(p)
     # The save that filled the disk left a step directory, which must not count as complete (a loop
     # over the complete ones alone would pass on nothing: here none is, the first save fails).
-    scanned = resume.scan(full / "run")
+    scanned = store.scan(full / "run")
     assert [i for i in scanned if not i.complete], [(i.step, i.complete) for i in scanned]
     for info in scanned:         # nothing half-written counts as complete
         if info.complete:
@@ -295,14 +295,14 @@ def test_a_full_disk_is_named_in_the_files_torch_writes(small_disk, tmp_path):
     per-rank files of a save and `ckpt export` say "No space left on device" instead, and export
     leaves no partial file behind."""
     import torch
-    from hpc_train.ckpt import crc
+    from hpc_train.ckpt import common
     full, _ = small_disk
     big = {"w": torch.zeros(1 << 18)}                                   # 1 MiB > the 700 KiB disk
     with pytest.raises(RuntimeError, match="enforce fail|unexpected pos"):   # control: torch alone
         torch.save(big, full / "plain.pt")
     (full / "plain.pt").unlink()
     with pytest.raises(OSError) as e:
-        crc.save_pt(big, full / "rank-0.pt")
+        common.save_pt(big, full / "rank-0.pt")
     assert "No space left on device" in str(e.value)
     (full / "rank-0.pt").unlink()            # partial; in a save it lies in an uncommitted step dir
 

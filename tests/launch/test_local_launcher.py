@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store
 
 RESULT_KEYS = {"train_loss", "test_accuracy", "steps", "epochs", "wall_seconds", "world_size"}
 PLUGINS = "tests.plugins_for_tests"
@@ -147,7 +147,7 @@ def test_ctrl_c_saves_and_the_same_command_resumes(py, clean_env, run_dir, tmp_p
     step = int(m.group(1))
     assert 2 <= step < total
     assert json.loads((run_dir / "stopped.json").read_text())["steps"] == step
-    ckpt = resume.inspect(run_dir / "checkpoints" / f"step-{step}")
+    ckpt = store.inspect(run_dir / "checkpoints" / f"step-{step}")
     assert ckpt.complete, ckpt.problem
     assert {"rank-0.pt", "rank-1.pt"} <= ckpt.record["files"].keys() and ckpt.record["world_size"] == 2
     assert not (run_dir / "result.json").exists()

@@ -22,7 +22,7 @@ import pytest
 from helpers import REPO, children, clean_env, hpc, metric_lines, show, start, write_config
 
 from hpc_train import rundir
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:
@@ -78,7 +78,7 @@ def test_a_script_rank_that_exits_0_first_does_not_finish_a_failed_run(tmp_path)
     assert p.returncode == 1, show(p)
     assert "worker rank 1 failed (exit code 1)" in p.stderr, show(p)
     assert not (rd / "result.json").exists(), "rank 0's exit 0 marked a failed run finished"
-    assert not resume.is_finished(rd)   # a rerun or a requeue trains again
+    assert not store.is_finished(rd)   # a rerun or a requeue trains again
     # Every rank exiting 0 still finishes the run.
     script.write_text("print('done')\n")
     p = hpc("run", "--script", script, "--nproc", "2", "--run-dir", rd)

@@ -20,7 +20,7 @@ from pathlib import Path
 from helpers import REPO, clean_env, hpc, kill9_workers, metric_lines, show, write_config
 
 from hpc_train import goodput
-from hpc_train.ckpt import store as resume
+from hpc_train.ckpt import store
 
 # Every test here starts real training processes: not in `make test-fast`.
 pytestmark = pytest.mark.procs
@@ -51,7 +51,7 @@ def test_ledger_counts_redone_steps_and_adds_up_to_the_wall_time(tmp_path):
     # every 40 and 1-ms steps, a look that lagged on a loaded machine once saw the kill lose none).
     deadline = time.monotonic() + 180
     while True:
-        ck = resume.newest_complete(rd)
+        ck = store.newest_complete(rd)
         done = _metric_steps(rd) if (rd / "metrics.jsonl").exists() else []
         if ck is not None and done and ck.step + 15 <= max(done) < ck.step + 50 and ck.step >= 100:
             break
@@ -61,7 +61,7 @@ def test_ledger_counts_redone_steps_and_adds_up_to_the_wall_time(tmp_path):
     p.communicate(timeout=60)
     p.wait()
     t_first_gone = time.time()          # the first launcher has exited (it records its end before)
-    ck = resume.newest_complete(rd)
+    ck = store.newest_complete(rd)
     lost = len(_steps_past(rd, ck.step))
     assert lost > 0
 

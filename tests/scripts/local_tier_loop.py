@@ -66,7 +66,7 @@ def main(steps: int, kill_at: int = 0) -> dict:
                 (run.run_dir / f"local-steps-{run.rank}.json").write_text(json.dumps(held))
                 if run.rank == 0 and os.environ.get("LOCAL_TIER_UNFINISHED"):   # a shared save cut short
                     (run.run_dir / "checkpoints" / "step-5").mkdir(parents=True)
-                copies = run._local.peers   # hpc_train.ckpt.peer: this rank's copies of its source's items
+                copies = run._local.peers   # hpc_train.ckpt.local.peer: this rank's copies of its source's items
                 if copies is not None:
                     source = copies.copies_dir(copies.ring.source(1))
                     got = sorted(int(p.name[5:]) for p in source.glob("step-*") if p.name[5:].isdigit())

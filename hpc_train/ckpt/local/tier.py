@@ -6,7 +6,7 @@ checks and fallbacks), written by one rank alone: a shared checkpoint keeps each
 tensor once across ranks, so one rank's files would not hold what that rank needs. Here every
 rank writes everything it holds (under DDP the whole replica), so a rank restores from its own
 node alone. An item is never resharded, so its tensors are not DCP items: one raw buffer file
-per dtype (:mod:`hpc_train.ckpt.flat`, the record's ``"layout": "buffers"``), which costs a
+per dtype (:mod:`hpc_train.ckpt.local.flat`, the record's ``"layout": "buffers"``), which costs a
 small fraction of the CPU that DCP's view, planner and writer took per save. Where it lives:
 :mod:`hpc_train.config_local`.
 
@@ -22,7 +22,7 @@ The tier never fails a run: a directory that is missing, not creatable, not a re
 this user, not writable, on the run directory, or too small for two items turns it off for the
 run with one warning, as does a save that fails at the disk.
 
-Copies (``checkpoint.local_replicas``, :mod:`hpc_train.ckpt.peer`): after each save the
+Copies (``checkpoint.local_replicas``, :mod:`hpc_train.ckpt.local.peer`): after each save the
 writer thread sends the new item to the same local rank on the next node(s), which keeps it
 under its own node's directory; on a single node they are off (said once).
 
@@ -50,11 +50,10 @@ import torch
 import torch.distributed as dist
 
 from hpc_train import config_local
-from hpc_train.ckpt import flat, peer, store, tiers
+from hpc_train.ckpt import store, tiers
 from hpc_train.ckpt.checksum import CRC32C
-from hpc_train.ckpt.common import APP_FILE, rank_file, why
-from hpc_train.ckpt.crc import save_pt
-from hpc_train.ckpt.save import _app_state, _rank_state
+from hpc_train.ckpt.common import APP_FILE, app_state, rank_file, rank_state, save_pt, why
+from hpc_train.ckpt.local import flat, peer
 from hpc_train.config import CheckpointSection, DistSection
 
 log = logging.getLogger("hpc_train")
@@ -196,9 +195,9 @@ class LocalTier:
         staged, skeleton, nbytes = flat.pack(flat.views(state, kinds))
         if not self._space_ok(nbytes):
             return None
-        own = _rank_state(state, kinds)
+        own = rank_state(state, kinds)
         rng = own.pop("rng")   # built fresh for this save: a deep copy would copy it again
-        small = copy.deepcopy((own, _app_state(state, kinds)))
+        small = copy.deepcopy((own, app_state(state, kinds)))
         small[0]["rng"] = rng
         small[0][flat.KEY] = skeleton
         path = self.dir / f"step-{step}"

@@ -1,4 +1,4 @@
-"""The wire of the local tier's copies (:mod:`hpc_train.ckpt.peer`): one item, rank to rank, over gloo.
+"""The wire of the local tier's copies (:mod:`hpc_train.ckpt.local.peer`): one item, rank to rank, over gloo.
 
 Plain bytes, never a pickle: a header (two int64: the manifest's length and the data's), the
 manifest (JSON: the sender's node, its commit record, and the files in order) and the files'
@@ -135,7 +135,7 @@ class Incoming:
     def finish(self, extra: dict[str, Any]) -> Path | None:
         """Check every file against the sender's checksums, commit and rename into place.
         Returns the item's path (None when dropped); a mismatch raises and leaves nothing."""
-        for fd in self.fds.values():   # not fsync'd, as the holder's own items (hpc_train.ckpt.local)
+        for fd in self.fds.values():   # not fsync'd, as the holder's own items (hpc_train.ckpt.local.tier)
             os.close(fd)
         self.fds = {}
         bad = [name for i, (name, _) in enumerate(self.files) if hexdigest(self.crcs[i]) != self.want[name]]

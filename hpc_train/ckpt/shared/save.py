@@ -2,7 +2,7 @@
 
 The checkpointer sees a mapping of state objects and nothing else (see :mod:`hpc_train.ckpt.state`
 for what goes where, and :mod:`hpc_train.ckpt.common` for the files of a step directory). Every
-file's checksum is computed as it is written (:mod:`hpc_train.ckpt.crc`); rank 0 writes them into
+file's checksum is computed as it is written (:mod:`hpc_train.ckpt.shared.crc`); rank 0 writes them into
 ``commit.json``, last, once every rank's share is on disk.
 
 Hazards:
@@ -26,30 +26,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpc_train.ckpt import state as state_mod
 from hpc_train.ckpt import store
-from hpc_train.ckpt.common import APP_FILE, dcp_state, dir_for, move_aside, plain_of, rank_file, why
-from hpc_train.ckpt.crc import ChecksummingWriter, digest, save_pt
-from hpc_train.ckpt.state import rng_state
+from hpc_train.ckpt.common import (APP_FILE, app_state, dcp_state, digest, dir_for, move_aside, rank_file, rank_state,
+                                   save_pt, why)
+from hpc_train.ckpt.shared.crc import ChecksummingWriter
+from hpc_train.ckpt.state import kinds_of
 from hpc_train.config import CheckpointSection
 from hpc_train.errors import CheckpointError, UsageError
 
 log = logging.getLogger("hpc_train")
 
 IO_THREADS = 2   # DCP FileSystemWriter threads per rank (see Checkpointer.save)
-
-
-def _app_state(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
-    return {k: (plain_of(k, state[k]) if kind == "stateful" else state[k])
-            for k, kind in kinds.items() if kind in ("stateful", "plain")}
-
-
-def _rank_state(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
-    """This rank's own: RNG states, per-rank objects, and its plain values (which may differ
-    from rank to rank; see hpc_train.ckpt.state)."""
-    return {"rng": rng_state(),
-            "objects": {k: plain_of(k, state[k]) for k, kind in kinds.items() if kind == "per_rank"},
-            "plain": {k: state[k] for k, kind in kinds.items() if kind == "plain"}}
 
 
 def _reusable(stager: Any) -> bool:
@@ -121,13 +108,13 @@ class Checkpointer:
     def _save(self, state: Mapping[str, Any], step: int, blocking: bool,
               kinds: dict[str, str] | None) -> None:
         t0 = time.perf_counter()
-        kinds = kinds or state_mod.kinds(state)
+        kinds = kinds or kinds_of(state)
         self.wait()                      # one save in flight (see module docstring)
         path = self._step_dir(step)
         # Checksummed as written; they reach rank 0 with DCP's write results (crc.ChecksummingWriter).
-        own = {rank_file(path, self.rank).name: save_pt(_rank_state(state, kinds), rank_file(path, self.rank))}
+        own = {rank_file(path, self.rank).name: save_pt(rank_state(state, kinds), rank_file(path, self.rank))}
         if self.rank == 0:
-            own[APP_FILE] = save_pt(_app_state(state, kinds), path / APP_FILE)
+            own[APP_FILE] = save_pt(app_state(state, kinds), path / APP_FILE)
         plain = {k: digest(state[k]) for k, kind in kinds.items() if kind == "plain"}
         # Overlap: the copy of modules and optimizers runs on the stager's thread during the next
         # step's forward and backward. Parameters and optimizer state change only in an optimizer's

@@ -1,6 +1,6 @@
 """Copies of each rank's local items on peer nodes, and the restore's fetch from them (issue 30, item 2).
 
-After each local save (:mod:`hpc_train.ckpt.local`) every rank sends its new item to its buddy,
+After each local save (:mod:`hpc_train.ckpt.local.tier`) every rank sends its new item to its buddy,
 the same local rank on the next node (node index + d mod nodes, d = 1..``local_replicas``), so a
 copy lives in another failure domain; and it receives the item of the rank whose buddy it is.
 The buddy writes it under its own node's directory, ``NODE/copies/rank-R/step-N/``, checksumming
@@ -13,7 +13,7 @@ interleave and deadlock). Every rank takes part in every exchange, a rank whose 
 too (it sends nothing and drops what it receives): a rank that skipped one would leave its
 peers waiting in a receive until ``dist.timeout_s``.
 
-The wire (plain bytes, checksummed on arrival): :mod:`hpc_train.ckpt.wire`.
+The wire (plain bytes, checksummed on arrival): :mod:`hpc_train.ckpt.local.wire`.
 
 Restore (:func:`hpc_train.ckpt.tiers.choose`, :meth:`Peers.transfer`): every rank lists what its node holds
 for any rank (its own items, and copies), one all-gather shares the lists, and the newest step
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from hpc_train import rundir
 from hpc_train.ckpt import store
-from hpc_train.ckpt.wire import Outgoing, swap
+from hpc_train.ckpt.local.wire import Outgoing, swap
 from hpc_train.config_local import COPIES
 
 log = logging.getLogger("hpc_train")

@@ -14,7 +14,6 @@ for ``finish()``; ``finish`` takes them out before DCP's ``.metadata`` is writte
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 from collections.abc import Iterator
@@ -221,23 +220,3 @@ class ChecksummingWriter(dcp.FileSystemWriter):
             files[".metadata"] = hexdigest(meta.crc)
         self.checksums = {"algorithm": CRC32C, "files": files, "items": items}
         self.facts = [r["facts"] for r in sorted(ranks, key=lambda r: r["rank"])]
-
-
-def save_pt(obj: Any, path: Path) -> str:
-    """``torch.save`` into memory, then one plain write; returns the bytes' CRC32C. torch's own
-    file writer reports a full disk as "[enforce fail at inline_container.cc] unexpected pos
-    ..."; Python's write raises OSError ENOSPC, which the error line names. Only for the small
-    files (a rank's RNG state, the app state): the buffer is a second copy."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    with open(path, "wb") as f:
-        f.write(data)
-    return hexdigest(extend(0, data))
-
-
-def digest(obj: Any) -> str:
-    """A fingerprint of a plain value, to tell whether ranks hold the same one."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return hexdigest(extend(0, buf.getvalue()))
