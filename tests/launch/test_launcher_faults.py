@@ -174,7 +174,7 @@ def test_a_stopped_rank_is_named_and_the_run_ends_in_time(tmp_path, phase):
         # The frozen main thread's stack: inside the checkpointer's save or load, in the object's hook.
         hook, inside = {"save": ("state_dict", "_save"), "load": ("load_state_dict", "load")}[phase]
         assert re.search(rf'plugins_for_tests\.py", line \d+ in {hook}\n', log), log[-3000:]
-        module = {"_save": "save", "load": "load"}[inside]   # ckpt/shared/save.py's Checkpointer._save, ckpt/load.py's load
+        module = {"_save": "shared/save", "load": "load"}[inside]   # ckpt/shared/save.py's Checkpointer._save, ckpt/load.py's load
         assert re.search(rf'hpc_train/ckpt/{module}\.py", line \d+ in {inside}\n', log), log[-3000:]
     assert "Traceback" not in err
     complete = [info for info in store.scan(rd) if info.complete]
