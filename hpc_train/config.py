@@ -33,7 +33,7 @@ import yaml
 from hpc_train import config_local, rundir
 from hpc_train.config_rules import (OPT_LEVELS, STRATEGIES, check_launch, hang_timeout,  # noqa: F401 (re-exported)
                                     resolve_precision, stragglers, time_minutes)
-from hpc_train.config_yaml import IMPORT_RE, coerce, parse_value, read_file
+from hpc_train.config_yaml import IMPORT_RE, coerce, parse_mapping, parse_value, read_file, section  # noqa: F401 (section re-exported)
 from hpc_train.errors import UsageError, closest, show
 from hpc_train.rundir import write_atomic
 
@@ -380,3 +380,16 @@ def write(cfg: Config, run_dir: Path) -> Path:
     out = run_dir / rundir.CONFIG
     write_atomic(out, cfg.to_yaml())
     return out
+
+
+def read_saved(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The run directory's ``config.yaml`` (:func:`write` wrote it; anyone may have changed it
+    since) as a mapping, taking whatever bytes are there: (mapping, None); (None, None) when it does
+    not exist; (None, what is wrong) otherwise. Read bounded and never blocking
+    (:func:`hpc_train.rundir.read_text`: a FIFO, a device or a directory in its place is a problem,
+    not a hang). For readers that only look a value up (use :func:`section`); a run loads its
+    config through :func:`load`, which names each bad field."""
+    text, problem = rundir.read_text(Path(run_dir) / rundir.CONFIG)
+    if text is None:
+        return None, problem
+    return parse_mapping(text)

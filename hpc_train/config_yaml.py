@@ -36,21 +36,15 @@ class _RefusedYAML(yaml.MarkedYAMLError):
     """Valid YAML that a config file may not use (aliases, duplicate keys, deep nesting)."""
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, with plain scalars kept as text and aliases, duplicate keys and deep
-    nesting refused (see the module docstring for why). Pure Python, not the C loader: the
-    overrides below live in the composer and constructor, which the C loader replaces; config
-    files are a few kilobytes, so speed does not matter."""
+class _Bounded(yaml.SafeLoader):
+    """PyYAML's safe loader with nesting bounded: the composer recurses once per level, so a
+    file of ``[`` x 10^5 would otherwise end in a RecursionError. Typed as ``safe_load`` types
+    (a run directory's config.yaml, which hpc_train wrote, is read back with it)."""
 
-    yaml_implicit_resolvers: dict = {}   # own table, filled below: only null is implicit
     MAX_DEPTH = 20                       # a config is 3 deep; recursion fails near 1000
     _depth = 0
 
     def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise _RefusedYAML(None, None, f"found the alias *{event.anchor}; aliases are not allowed in config "
-                               f"files (write the value out)", event.start_mark)
         self._depth += 1
         try:
             if self._depth > self.MAX_DEPTH:
@@ -59,6 +53,22 @@ class _Loader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+
+class _Loader(_Bounded):
+    """The bounded loader, with plain scalars kept as text and aliases and duplicate keys refused
+    (see the module docstring for why). Pure Python, not the C loader: the overrides below live
+    in the composer and constructor, which the C loader replaces; config files are a few
+    kilobytes, so speed does not matter."""
+
+    yaml_implicit_resolvers: dict = {}   # own table, filled below: only null is implicit
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _RefusedYAML(None, None, f"found the alias *{event.anchor}; aliases are not allowed in config "
+                               f"files (write the value out)", event.start_mark)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         first: dict = {}
@@ -140,6 +150,27 @@ def read_file(path: str | os.PathLike[str]) -> Any:
         if isinstance(e, _RefusedYAML):
             raise UsageError(f"config: {name}{', ' + where if where else ''}: {what}") from None
         raise UsageError(f"config: {name} is not valid YAML{' at ' + where if where else ''}: {what}") from None
+
+
+def parse_mapping(text: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Text that should be a config's YAML, whatever it holds, typed as ``yaml.safe_load`` types:
+    (mapping, None), or (None, what is wrong). Never raises: the loader bounds nesting, and any
+    YAML error is one answer."""
+    try:
+        value = yaml.load(text, Loader=_Bounded)  # noqa: S506 (_Bounded is a SafeLoader)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return None, "is not valid YAML"
+    if value is None:
+        return {}, None
+    if not isinstance(value, dict):
+        return None, "is not a mapping of sections"
+    return value, None
+
+
+def section(saved: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    """One section of a :func:`parse_mapping` mapping: {} when it is missing or not a mapping."""
+    value = (saved or {}).get(name)
+    return value if isinstance(value, dict) else {}
 
 
 IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -107,8 +107,8 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
     """Drop records after ``keep_through_step`` (written after the checkpoint we resume from).
     The file is read and rewritten line by line, whatever its size. Lines that are not records
     are set aside in ``NAME.damaged-<time>`` with one warning (a last line cut short by a kill
-    is only dropped); a file that cannot be read at all is moved aside whole, and the run
-    starts a new one."""
+    is only dropped); a file that cannot be read at all, or a link in its place, is moved aside
+    whole, and the run starts a new one."""
     from contextlib import ExitStack
 
     from hpc_train.rundir import atomic_writer, damaged_name, open_read, set_aside

@@ -230,14 +230,19 @@ _MAX_RECORD = 64 << 20   # a JSON record larger than this is damage, not somethi
 def open_read(path: Path) -> tuple[BinaryIO | None, str | None]:
     """A run-directory file opened for reading in pieces, whatever its size (a log,
     ``metrics.jsonl``): (file, None); (None, None) when it does not exist; (None, what is wrong)
-    when it cannot be read (a directory or FIFO in its place, unreadable)."""
+    when it cannot be read (a directory, FIFO or link in its place, unreadable)."""
     import os
     import stat
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO must not block the open
+        # A FIFO must not block the open; a link is not followed (a record is never a link: one
+        # planted there could make a run read, and copy, a file that is not its own).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None, None
     except OSError as e:
+        import errno
+        if e.errno == errno.ELOOP:
+            return None, "is a symbolic link, which hpc_train does not follow in a run directory"
         return None, f"cannot be read ({e.strerror or type(e).__name__})"
     try:
         mode = os.fstat(fd).st_mode

@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from hpc_train import rundir
+from hpc_train import config, rundir
 from hpc_train.advice import FLAGS, Advice
 from hpc_train.ckpt import store
 from hpc_train.config import Config
@@ -127,11 +126,8 @@ def _saved_signature(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _old_config(run_dir: Path) -> dict[str, object] | None:
-    try:
-        old = yaml.safe_load((Path(run_dir) / rundir.CONFIG).read_text()) or {}
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return None   # unreadable: nothing to compare with; resume's own checks still apply
-    return old if isinstance(old, dict) else None
+    old, _ = config.read_saved(Path(run_dir))
+    return old   # None when unreadable: nothing to compare with; resume's own checks still apply
 
 
 def check_resume_changes(run_dir: Path, new: Config, warn, advice: Advice = FLAGS) -> None:

@@ -149,12 +149,8 @@ def _first_error(run_dir: Path, rank: int, code: int | None = None) -> str:
     """The error's first paragraph (a script's failure: rank, host and its last lines; a
     Python error: its one-line summary, not the traceback under it). A rank that recorded none
     is described by how it ended (``code``: its exit status)."""
-    err = rundir.rank_error(run_dir, rank)
-    try:
-        text = err.read_text().split("\n\n")[0].strip()
-    except OSError:
-        text = ""
-    return text or _unrecorded(code)
+    text, _ = rundir.read_text(rundir.rank_error(run_dir, rank))   # any bytes, never blocking
+    return (text or "").split("\n\n")[0].strip() or _unrecorded(code)
 
 
 def _unrecorded(code: int | None) -> str:

@@ -194,18 +194,13 @@ def resume_point(run_dir: Path, newest: store.CkptInfo | None) -> str:
     checkpoint (:func:`store.newest_complete`: its size record; resume also checks its
     checksums), or nothing. A script's own snapshots are invisible to hpc_train, so for a script
     only its hpc_train checkpoints are named."""
-    import yaml
-
     if newest is not None:
         saved = newest.record.get("time")
         age = f" (checkpoint {outcome.age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
         return f"the same command resumes from step {newest.step}{age}"
-    try:
-        train = (yaml.safe_load((run_dir / rundir.CONFIG).read_text()) or {}).get("train") or {}
-        own_code = bool(train.get("script") or train.get("fn"))
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
-        own_code = False
-    if own_code:
+    from hpc_train import config
+    train = config.section(config.read_saved(run_dir)[0], "train")
+    if train.get("script") or train.get("fn"):
         return "no hpc_train checkpoint: the code resumes from its own checkpoints, if it keeps any"
     return "no checkpoint: a rerun starts from step 0"
 
@@ -256,12 +251,10 @@ def _rank_count(run_dir: Path, submitted: bool) -> int | None:
     seen += ranks.present(run_dir)
     count = max(seen) + 1 if seen else 0
     if submitted:
-        import yaml
-        try:
-            job = (yaml.safe_load((run_dir / rundir.CONFIG).read_text()) or {}).get("job") or {}
-            nodes, tasks, gpus = (job.get(k, d) for k, d in (("nodes", 1), ("tasks_per_node", 0), ("gpus_per_node", 0)))
-        except (OSError, ValueError, AttributeError, yaml.YAMLError):
-            nodes = None     # a damaged config: the files alone say it (status names the damage)
+        # A damaged config: the files alone say it (status names the damage).
+        from hpc_train import config
+        job = config.section(config.read_saved(run_dir)[0], "job")
+        nodes, tasks, gpus = (job.get(k, d) for k, d in (("nodes", 1), ("tasks_per_node", 0), ("gpus_per_node", 0)))
         if all(type(v) is int and v >= 0 for v in (nodes, tasks, gpus)):
             count = max(count, nodes * (tasks or max(1, gpus)))
     return count or None
@@ -282,8 +275,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     # A live local run may not have started every rank yet, and records its count nowhere.
     _check_rank(run_dir, args.rank, bool(ids))
     path = _log_path(run_dir, args.rank)
+    import io
     if not args.follow:
-        import io
         import shutil
         f, problem = rundir.open_read(path)
         if problem is not None:
@@ -297,8 +290,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     pos, delay, last_query = 0, 0.2, 0.0
     try:
         while True:
-            if path.is_file():
-                with path.open(errors="replace") as log:
+            f, _ = rundir.open_read(path)    # not yet there, or not a file: nothing to show yet
+            if f is not None:
+                with io.TextIOWrapper(f, encoding="utf-8", errors="replace") as log:
                     log.seek(pos)
                     while chunk := log.read(_PIECE):
                         sys.stdout.write(chunk)

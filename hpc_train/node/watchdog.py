@@ -169,10 +169,11 @@ def write_error(run_dir: Path, rank: int, text: str) -> None:
     did once continued (a peer gone, its collective failed) is only a consequence."""
     p = rundir.rank_error(run_dir, rank)
     try:
-        if p.stat().st_mtime >= _PROCESS_START and p.read_text(errors="replace").startswith("WatchdogError:"):
-            return
+        fresh = p.stat().st_mtime >= _PROCESS_START
     except OSError:
-        pass
+        fresh = False
+    if fresh and (rundir.read_text(p)[0] or "").startswith("WatchdogError:"):
+        return
     rundir.write_atomic(p, text)
 
 

@@ -378,3 +378,83 @@ def test_below_the_lifecycle_code_takes_the_config_section_it_uses(path):
     whole = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "hpc_train.config"
              and any(a.name == "Config" for a in n.names)]
     assert not whole, f"imports the whole Config (line {whole}); take the section it uses"
+
+
+# Issue 50.1: bytes from outside (a run directory, a node's local tier, a peer) are read through one
+# small set of functions: rundir.open_read / read_text (bounded, never blocking on a FIFO, never
+# following a link, regular files only), records.io.read_json, and the parsers fed by them. Every
+# other place in the package that opens something to read it, or parses bytes, is listed here with
+# why it may: a new one fails the test below until it goes through those functions or is listed.
+OWN_READS = {
+    ("rundir.py", "os.open"): "the one reader (open_read), the lock, the atomic writer (O_NOFOLLOW)",
+    ("rundir.py", "os.fdopen"): "the same files' descriptors",
+    ("rundir.py", "json.loads"): "the lock holder's line, text from read_text",
+    ("records/io.py", "json.loads"): "the records' one JSON parser, text from read_text",
+    ("ckpt/store.py", "json.loads"): "a checkpoint's commit.json, text from read_text",
+    ("ckpt/store.py", "os.open"): "the commit's directory fsync",
+    ("ckpt/store.py", "os.fdopen"): "the commit record's atomic write",
+    ("ckpt/checksum.py", "os.open"): "a checkpoint file read for its CRC (O_NOFOLLOW, O_NONBLOCK, regular only)",
+    ("ckpt/checksum.py", "os.fdopen"): "the same file",
+    ("ckpt/safe.py", "torch.load"): "weights_only=True: no arbitrary object is unpickled",
+    ("ckpt/local/wire.py", "json.loads"): "a peer's manifest (wire.manifest: any bytes, one OSError)",
+    ("ckpt/local/wire.py", "os.open"): "a received item's files, written (O_EXCL, O_NOFOLLOW)",
+    ("ckpt/local/flat.py", "os.open"): "a local item's files, written (O_NOFOLLOW)",
+    ("ckpt/common.py", "open"): "a checkpoint file written",
+    ("ckpt/shared/export.py", "open"): "the export written (O_EXCL through 'xb')",
+    ("logs.py", "json.loads"): "metrics.jsonl's one line parser, lines from open_read",
+    ("config_yaml.py", "yaml.load"): "the bounded loaders (nesting, aliases, duplicate keys)",
+    ("config_yaml.py", "p.read_bytes"): "the user's config file: a regular file, size-bounded first",
+    ("trainer/data.py", "path.read_bytes"): "the user's dataset",
+    ("trainer/data.py", "gzip.open"): "the user's dataset, compressed",
+    ("login/sbatch.py", "read_text"): "the package's own batch templates",
+    ("cli/main.py", "os.open"): "/dev/null",
+    ("launch/supervise.py", "os.open"): "/dev/null",
+    ("node/beats.py", "os.open"): "a beat file created (O_NOFOLLOW)",
+    ("node/tb_events.py", "os.fdopen"): "TensorBoard's event file, written",
+    ("goodput.py", "read_text"): "/proc/self/stat and /proc/uptime",
+    ("lifecycle.py", "read_bytes"): "/proc/PPID/cmdline",
+    ("launch/joined.py", "open"): "/proc/PID/task/*/children and /proc/PID/net/*",
+    ("node/watchdog.py", "open"): "/proc/PID/stat and /proc/PID/status",
+    ("node/watchdog.py", "read_text"): "/proc/self/cgroup and the cgroup's memory files",
+}
+_READ_ATTRS = {"read_text", "read_bytes", "safe_load", "fdopen"}
+
+
+def _reads(path: Path) -> set[str]:
+    """Every call in ``path`` that opens something to read or parses bytes, as 'receiver.method'
+    (rundir's readers, the discipline itself, are not counted)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        f = node.func if isinstance(node, ast.Call) else None
+        if isinstance(f, ast.Name) and f.id == "open":
+            found.add("open")
+        elif isinstance(f, ast.Attribute):
+            base = f.value.id if isinstance(f.value, ast.Name) else ""
+            what = f"{base}.{f.attr}" if base else f.attr
+            if base == "rundir":
+                continue
+            if f.attr in _READ_ATTRS or f.attr == "open" or (f.attr in ("loads", "load") and base in
+                                                             ("json", "yaml", "torch", "pickle", "marshal")):
+                found.add(what)
+    return found
+
+
+def test_the_read_check_sees_a_bare_read_of_a_record(tmp_path):
+    m = tmp_path / "m.py"
+    m.write_text("import json\nfrom pathlib import Path\n"
+                 "def f(rd):\n    return json.loads((Path(rd) / 'requeue.json').read_text()), open(rd).read()\n")
+    assert _reads(m) == {"json.loads", "read_text", "open"}
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_outside_bytes_are_read_through_the_one_discipline(path):
+    rel = str(path.relative_to(PKG))
+    stray = sorted(w for w in _reads(path) if (rel, w) not in OWN_READS)
+    assert not stray, (f"{rel} reads with {stray}: read run-directory files through rundir.open_read/read_text "
+                       f"or records.io.read_json (bounded, no FIFO block, no link followed), or list it in "
+                       f"OWN_READS with why")
+
+
+def test_every_listed_read_still_exists():
+    for rel, what in OWN_READS:
+        assert what in _reads(PKG / rel), f"OWN_READS lists {rel}: {what}, which is gone: remove the entry"

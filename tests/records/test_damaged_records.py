@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from damage import SPECIAL, make_special
 from helpers import hpc, show, write_config
 
 # -- 1. batch scripts: one pass, no value scanned again ---------------------------------------
@@ -205,6 +206,8 @@ WRONG_FIELDS = {
 # are not numbers, after the real records.
 BAD_METRIC_LINES = b'[]\n{"step": "x"}\n3\n{"loss": 1.5}\n{"step": 4, "loss": null}\n{"step": 4, "loss": "x"}\n'
 DAMAGES = ("not-json", "wrong-type", "wrong-fields", "binary", "empty", "directory")
+# Not a regular file: a rerun's restore sets it aside like any damage (issue 50).
+SPECIAL_DAMAGES = ("fifo", "device", "dangling-symlink")
 
 
 def _damage(rd: Path, record: str, damage: str) -> None:
@@ -214,9 +217,8 @@ def _damage(rd: Path, record: str, damage: str) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
-    if damage == "directory":
-        path.mkdir()
-        (path / "x").write_text("x")
+    if damage in SPECIAL:
+        make_special(path, damage, Path(str(rd) + ".src"))
         return
     data = {"not-json": b"{not json\n", "wrong-type": b"[1, 2]\n", "binary": b"\x00\xff\xfe\x80\x9c garbage\n",
             "empty": b""}.get(damage)
@@ -260,7 +262,7 @@ def test_status_and_logs_show_what_they_can_and_name_what_they_cannot(damaged):
         assert lg.returncode == 0, show(lg)
 
 
-@pytest.mark.parametrize("damage", DAMAGES)
+@pytest.mark.parametrize("damage", DAMAGES + SPECIAL_DAMAGES)
 @pytest.mark.procs
 def test_a_resume_sets_damaged_records_aside_and_trains_on(tmp_path, stopped_run, damage):
     """One real resume per kind of damage, with every record a resume reads damaged that way."""

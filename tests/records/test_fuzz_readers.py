@@ -1,55 +1,27 @@
 """Issue 50.2: every reader of a run directory takes whatever it finds there. Hypothesis writes
 damaged records of every kind in a record's place (random bytes, truncated JSON, JSON of any shape
 with huge, non-finite and wrong-typed values, non-UTF-8 text, deep nesting) and the special files
-(a directory, a FIFO, a symbolic link) and calls each reader: it returns (a value, or a problem
+(a directory, a FIFO, a symbolic link, a link to a device) and calls each reader: it returns (a value, or a problem
 in one line), never raises and never blocks. Slurm's command output goes through its parsers the
 same way. A reader broken on purpose (a bare ``json.loads`` on a record) fails here."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from damage import CONTENT, RECORDS, SPECIAL, VALUES, make_special
 from hypothesis import strategies as st
 
-from hpc_train import config_local, goodput, logs, rundir
-from hpc_train.ckpt import store, tiers
+import hpc_train.login.jobs
+from hpc_train import config, config_local, goodput, logs, rundir
+from hpc_train.ckpt import compat, store, tiers
 from hpc_train.login import nodes
 from hpc_train.records import jobs, ranks, requeue, result, stop
-
-# JSON values of any shape: huge integers, non-finite floats, any text, nested lists and objects.
-SCALARS = (st.none() | st.booleans() | st.integers() | st.integers(min_value=10**300, max_value=10**500)
-           | st.floats() | st.text(max_size=30))
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner,
-                                                                                           max_size=6), max_leaves=30)
-KEYS = ["steps", "stop_signal", "stop_received_at", "checkpoint", "events", "in_place", "requeued_at", "counts",
-        "target", "step", "signal", "received_at", "rank", "pid", "world_size", "started", "job", "job_id",
-        "submitted", "time", "key", "cause", "final", "segments", "config_hash", "world", "files", "ended",
-        "request", "restart", "attempt", "swap", "swap_rank"]
-# Objects whose keys are the records' own, with values of any kind: they reach each field's check.
-RECORDS = st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=12)
-
-
-def _json(v: object) -> bytes:
-    return json.dumps(v).encode()
-
-
-CONTENT = st.one_of(
-    st.binary(max_size=300),
-    RECORDS.map(_json),
-    RECORDS.map(lambda r: _json({"stop_signal": "USR2", "request": r})),    # the stop record's request
-    VALUES.map(_json),
-    RECORDS.map(_json).flatmap(lambda b: st.integers(0, max(0, len(b) - 1)).map(lambda n: b[:n])),   # truncated
-    st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")),
-    st.integers(1, 5).map(lambda k: (b"[" * 10**k + b"]" * 10**k)),          # nesting deeper than the parser's stack
-    st.integers(200, 600).map(lambda n: (b'{"steps": ' + b"9" * n + b"}")),
-)
-
 
 def _commit(rd: Path) -> Path:
     return store.ckpt_root(rd) / "step-5" / "commit.json"
@@ -87,6 +59,11 @@ READERS: dict[str, tuple[Callable[[Path], Path], Callable[[Path], object]]] = {
     "metrics.jsonl": (_metrics, _read_metrics),
     "local item's commit.json": (_local_commit, lambda rd: tiers.local_items(rd, str(rd / "shm"), env={})),
     "rank error": (lambda rd: rundir.rank_error(rd, 1), lambda rd: (ranks.error_times(rd), ranks.error_line(rd, 1, 0))),
+    # Read for one value by status, logs and a resume's comparison (config.load, which names each
+    # bad field, is the config test's).
+    "config.yaml": (lambda rd: rd / rundir.CONFIG,
+                    lambda rd: (config.read_saved(rd), hpc_train.login.jobs.resume_point(rd, None),
+                                hpc_train.login.jobs._rank_count(rd, submitted=True), compat._old_config(rd))),
 }
 
 # Names another hand could give a step or rank directory (or a record's file): any characters a
@@ -150,21 +127,14 @@ def test_a_reader_takes_any_bytes_in_its_record_s_place(tmp_path, name, content)
         f.unlink()
 
 
-@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink-to-dir", "dangling-symlink"])
+@pytest.mark.parametrize("kind", SPECIAL)
 @pytest.mark.parametrize("name", READERS)
 def test_a_reader_takes_a_special_file_in_its_record_s_place(tmp_path, name, kind):
     where, reader = READERS[name]
     rd = tmp_path / "run"
     f = where(rd)
     f.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "directory":
-        f.mkdir()
-    elif kind == "fifo":
-        os.mkfifo(f)
-    elif kind == "symlink-to-dir":
-        f.symlink_to(tmp_path)
-    else:
-        f.symlink_to(tmp_path / "nowhere")
+    make_special(f, kind, tmp_path)
     _call(reader, rd)
 
 
@@ -243,3 +213,21 @@ def test_sinfo_and_scontrol_output_of_any_text_is_an_answer_or_one_line(text):
             assert "\n" not in str(e)
         limit = scheduler.max_array_size()
         assert limit is None or 0 <= limit < 10**9
+
+
+MANIFESTS = st.fixed_dictionaries({"node": VALUES, "record": RECORDS | VALUES,
+                                   "files": VALUES | st.lists(st.lists(VALUES, max_size=3), max_size=3)}).map(
+    lambda m: json.dumps(m).encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(CONTENT | MANIFESTS)
+def test_a_peer_s_manifest_of_any_bytes_is_an_item_or_one_error(raw):
+    """The node-local tier's copies arrive with a manifest the peer wrote (ckpt/local/wire.py):
+    parsed like a record, any bytes give the manifest or an OSError saying it is malformed."""
+    from hpc_train.ckpt.local import wire
+    try:
+        m = wire.manifest(raw)
+        wire.Incoming(m, 0, None)
+    except OSError as e:
+        assert "\n" not in str(e)

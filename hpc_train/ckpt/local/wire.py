@@ -82,16 +82,32 @@ def _pieces(files: list[tuple[str, int]]) -> list[tuple[int, int]]:
     return [(i, min(PIECE, size - at)) for i, (_, size) in enumerate(files) for at in range(0, size, PIECE)]
 
 
+def manifest(raw: bytes) -> dict:
+    """A peer's manifest (JSON it wrote itself, bounded by ``_MANIFEST_MAX``), or an OSError
+    saying it is malformed: bytes from another process are parsed like any record."""
+    try:
+        m = json.loads(raw.decode())
+    except (ValueError, RecursionError):    # UnicodeDecodeError is a ValueError
+        m = None
+    if not (isinstance(m, dict) and "node" in m and isinstance(m.get("record"), dict)
+            and isinstance(m.get("files"), list)):
+        raise OSError("the item's manifest is malformed")
+    return m
+
+
 class Incoming:
     """An item being received into ``dest`` (``.../step-N``; None: drained and dropped). Written
     into ``step-N.part`` beside it (made new, mode 0700, files opened without following links),
     summed as written, committed and renamed into place by :meth:`finish` only if every file's
     CRC32C matches the sender's record."""
 
-    def __init__(self, manifest: bytes, nbytes: int, dest_parent: Path | None) -> None:
-        m = json.loads(manifest.decode())
-        self.node, self.record = str(m["node"]), dict(m["record"])
-        self.files = [(str(n), int(s)) for n, s in m["files"]]
+    def __init__(self, m: dict, nbytes: int, dest_parent: Path | None) -> None:
+        """``m``: the sender's manifest, as :func:`manifest` parsed it."""
+        try:
+            self.node, self.record = str(m["node"]), dict(m["record"])
+            self.files = [(str(n), int(s)) for n, s in m["files"]]
+        except (KeyError, TypeError, ValueError):
+            raise OSError("the item's manifest is malformed") from None
         sums = (self.record.get("checksums") or {})
         self.want = dict(sums.get("files", {})) if sums.get("algorithm") == CRC32C else {}
         step = self.record.get("step")
@@ -195,8 +211,8 @@ def swap(group, out: Outgoing | None, dst: int | None, src: int | None,
     _wait(works)
     inc = None
     if m_len:
-        raw = bytes(m_in.numpy())
-        inc = Incoming(raw, n_in, dest_parent(json.loads(raw.decode())))
+        m = manifest(bytes(m_in.numpy()))
+        inc = Incoming(m, n_in, dest_parent(m))
     outs = out.pieces() if sending else iter(())
     sizes = inc.sizes() if inc is not None else []
     try:
