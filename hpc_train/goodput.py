@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from hpc_train import rundir
+from hpc_train.errors import show
 from hpc_train.records import fields
 
 if TYPE_CHECKING:
@@ -124,8 +125,9 @@ _NUMBERS = ("start", "end", "first_step", "load_s", "save_block_s", "redone_s", 
 
 
 def _is_num(v: object) -> TypeGuard[float]:
-    """A finite number: JSON lets outside hands write NaN or Infinity, which no sum survives."""
-    return fields.finite(v)
+    """A time, a duration or a step of the ledger: JSON lets outside hands write NaN, Infinity or
+    1e300, which no sum (and no localtime) survives."""
+    return fields.is_time(v)
 
 
 def _problem(rec: dict[str, Any]) -> str | None:
@@ -140,7 +142,7 @@ def _problem(rec: dict[str, Any]) -> str | None:
             return f"segment {i} is not an object with a numeric start"
         bad = next((k for k in _NUMBERS if seg.get(k) is not None and not _is_num(seg[k])), None)
         if bad is not None:
-            return f"segment {i}'s {bad} is {seg[bad]!r}, not a number"
+            return f"segment {i}'s {bad} is {show(seg[bad], 40)}, not a time, duration or step"
         if not isinstance(seg.get("marks", {}), dict):
             return f"segment {i}'s marks is not an object"
     return None
@@ -179,7 +181,7 @@ def dropped_steps(metrics: Path, keep_through_step: int) -> tuple[int, float, fl
             step, t = rec["step"], float(rec["time"])
         except (ValueError, KeyError, TypeError, OverflowError):
             continue
-        if math.isfinite(t):
+        if fields.is_time(t):
             times[step] = max(t, times.get(step, t))   # an eval line comes after its step's
     later = [s for s in times if s > keep_through_step]
     if not later:

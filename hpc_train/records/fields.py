@@ -42,16 +42,26 @@ def finite(v: object) -> TypeGuard[int | float]:
         return False
 
 
-def number(d: Mapping[str, object], key: str, default: float | None = None) -> float:
-    """A finite number (a time, a duration)."""
+# A time (seconds since 1970) that time.localtime, a strftime and every duration between two of
+# them can take; a record holding one beyond it was written by other hands (1e300 is "finite").
+TIME_MAX = 2**34      # the year 2514
+
+
+def is_time(v: object) -> TypeGuard[int | float]:
+    """A time since the epoch, or a duration, in the range any record's time can hold."""
+    return finite(v) and 0 <= v < TIME_MAX
+
+
+def time(d: Mapping[str, object], key: str, default: float | None = None) -> float:
+    """A time since the epoch (see :data:`TIME_MAX`)."""
     v = d.get(key, default)
-    if not finite(v):
-        raise Bad(f"{key} is {show(v, 40)}, not a finite number")
+    if not is_time(v):
+        raise Bad(f"{key} is {show(v, 40)}, not a time (seconds since 1970)")
     return float(v)
 
 
-def opt_number(d: Mapping[str, object], key: str) -> float | None:
-    return None if d.get(key) is None else number(d, key)
+def opt_time(d: Mapping[str, object], key: str) -> float | None:
+    return None if d.get(key) is None else time(d, key)
 
 
 def text(d: Mapping[str, object], key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from hpc_train import rundir
 from hpc_train.records import io
 from hpc_train.records import fields
+from hpc_train.errors import show
 from hpc_train.records.fields import Bad
 
 NAME = "job.json"
@@ -35,9 +36,9 @@ def path(run_dir: Path) -> Path:
 
 def _entry(d: object) -> JobEntry:
     if not isinstance(d, dict):
-        raise Bad(f"is {d!r}, not an object")
+        raise Bad(f"value is {show(d, 40)}, not an object")
     rest = {k: v for k, v in d.items() if k not in ("job_id", "submitted", "via")}
-    return JobEntry(fields.text(d, "job_id"), fields.opt_number(d, "submitted"), fields.text(d, "via", ""), rest)
+    return JobEntry(fields.text(d, "job_id"), fields.opt_time(d, "submitted"), fields.text(d, "via", ""), rest)
 
 
 def read(run_dir: Path) -> tuple[list[JobEntry], str | None]:
@@ -51,8 +52,8 @@ def read(run_dir: Path) -> tuple[list[JobEntry], str | None]:
         return [], "has no list of jobs with a job_id each"
     try:
         return [_entry(j) for j in jobs], None
-    except Bad:
-        return [], "has no list of jobs with a job_id each"
+    except Bad as e:
+        return [], f"has a job entry whose {e}"
 
 
 def append(run_dir: Path, job_id: str, via: str, warn: Callable[[str], None], **extra: object) -> None:

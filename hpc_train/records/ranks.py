@@ -100,7 +100,7 @@ def _parse(raw: Mapping[str, object], rank: int) -> RankRecord:
     host = fields.text(raw, "host", "unknown host")
     return RankRecord(rank, fields.text(raw, "node", host), host, fields.opt_count(raw, "pid"), fields.text(raw, "job", ""),
                       fields.count(raw, "restart", 0), fields.count(raw, "attempt", 0), fields.text(raw, "launch", ""),
-                      fields.opt_count(raw, "world_size", lo=1), fields.opt_number(raw, "started"), ended, left,
+                      fields.opt_count(raw, "world_size", lo=1), fields.opt_time(raw, "started"), ended, left,
                       fields.text(raw, "addr", ""), fields.text(raw, "tier_id", ""))
 
 

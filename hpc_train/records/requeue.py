@@ -172,7 +172,7 @@ def _event(d: object) -> Requeue:
     if not isinstance(d, dict):
         raise Bad(f"is {d!r}, not an object")
     return Requeue(fields.text(d, "key"), fields.text(d, "cause", choices=CAUSES), fields.opt_count(d, "step"),
-                   fields.number(d, "time"), fields.flag(d, "requeued"), fields.opt_text(d, "error"),
+                   fields.time(d, "time"), fields.flag(d, "requeued"), fields.opt_text(d, "error"),
                    fields.text(d, "by", "hpc_train", choices=BY))
 
 
@@ -186,7 +186,7 @@ def _restart(d: object) -> InPlace:
         raise Bad(f"swap is {list(swap)!r}, not [node swapped out, spare swapped in]")
     # A failure's restart costs 1 or 2; a straggler's nothing (no hand-edit buys budget with 0).
     return InPlace(fields.text(d, "job"), fields.opt_count(d, "restart"), fields.opt_count(d, "step"),
-                   fields.number(d, "time"), fields.count(d, "charge", 1, lo=int(cause == "failure"), hi=MAX_CHARGE),
+                   fields.time(d, "time"), fields.count(d, "charge", 1, lo=int(cause == "failure"), hi=MAX_CHARGE),
                    nodes, fields.names(d, "lost"), fields.opt_count(d, "world_size", lo=1),
                    fields.opt_count(d, "world_before", lo=1), fields.opt_text(d, "error"), cause, swap)
 
@@ -235,7 +235,7 @@ def read(run_dir: Path) -> RequeueState:
         problems.append(f"{NAME}: final is {final!r}, not a line")
         aside["final"], final = final, None
     at = raw.get("requeued_at", [])
-    times = [t for t in at if fields.finite(t)] if isinstance(at, list) else []
+    times = [t for t in at if fields.is_time(t)] if isinstance(at, list) else []
     return RequeueState(tuple(events), tuple(in_place), final, tuple(float(t) for t in times),
                         tuple(problems), unreadable, aside)
 
@@ -321,7 +321,7 @@ def _read_legacy(path: Path) -> tuple[Pending | None, str | None]:
         # A request left by a step before the writer stored job.signal's form (SIGUSR2) means
         # the same signal.
         return Pending.of(stop_rec.request_from(raw), fields.opt_count(raw, "step"),
-                          fields.text(raw, "signal", "").removeprefix("SIG"), fields.opt_number(raw, "received_at"),
+                          fields.text(raw, "signal", "").removeprefix("SIG"), fields.opt_time(raw, "received_at"),
                           PENDING), None
     except Bad as e:
         return None, f"{PENDING} {e}"

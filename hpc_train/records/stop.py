@@ -74,9 +74,9 @@ def read(run_dir: Path) -> tuple[StopRecord | None, str | None]:
     try:
         return StopRecord(fields.opt_count(raw, "steps"),
                           fields.text(raw, "stop_signal", "a signal").removeprefix("SIG"),
-                          fields.opt_number(raw, "stop_received_at"), fields.flag(raw, "checkpoint"),
-                          fields.opt_number(raw, "checkpoint_committed_at"), fields.opt_text(raw, "requeue"),
-                          fields.opt_number(raw, "requeue_requested_at"), _request(raw.get("request"))), None
+                          fields.opt_time(raw, "stop_received_at"), fields.flag(raw, "checkpoint"),
+                          fields.opt_time(raw, "checkpoint_committed_at"), fields.opt_text(raw, "requeue"),
+                          fields.opt_time(raw, "requeue_requested_at"), _request(raw.get("request"))), None
     except Bad as e:
         return None, str(e)
 

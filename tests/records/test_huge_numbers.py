@@ -64,3 +64,39 @@ def test_status_and_the_requeue_hook_take_a_401_digit_time(tmp_path):
     # The hook of a job step that ended with status 0 and no rank records: it decides, in one line.
     p = hpc("requeue-hook", rd, "0", env=clean_env(SLURM_JOB_ID="7", PATH="/usr/bin:/bin"))
     assert "Traceback" not in p.stderr and p.stderr.startswith("hpc_train requeue-hook: "), show(p)
+
+
+@pytest.mark.parametrize("value, ok", [
+    (0, True), (1.7e9, True), (2**34 - 1, True), (2**34, False), (1e300, False), (-1, False), (-1e-9, False),
+    (HUGE, False), (math.inf, False), (math.nan, False), (True, False), ("1.7e9", False), (None, False),
+])
+def test_a_time_is_what_localtime_and_a_duration_can_take(value, ok):
+    assert fields.is_time(value) is ok
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True) | st.integers())
+def test_is_time_never_raises_and_every_time_it_takes_is_a_local_time(v):
+    import time
+    if fields.is_time(v):
+        time.localtime(v)
+        time.strftime("%H:%M", time.localtime(v))
+
+
+# A time "finite" for a float but no time at all (1e300 s; a negative one): status once printed a
+# wall time of 301 digits from goodput.json. Each record names the field, in one line.
+TIMES = {
+    stop.NAME: lambda t: {"steps": 3, "stop_signal": "SIGTERM", "checkpoint": True, "stop_received_at": t},
+    "job.json": lambda t: {"jobs": [{"job_id": "7", "via": "submit", "submitted": t}]},
+    goodput.FILE: lambda t: {"segments": [{"start": t}], "first_submit": 1.7e9},
+}
+
+
+@pytest.mark.parametrize("name", TIMES)
+@pytest.mark.parametrize("t", [1e300, -5.0])
+def test_a_time_out_of_range_is_named_in_its_record(tmp_path, name, t):
+    from hpc_train.records import jobs
+    (tmp_path / name).write_text(json.dumps(TIMES[name](t)))
+    problem = {stop.NAME: lambda: stop.read(tmp_path)[1], "job.json": lambda: jobs.read(tmp_path)[1],
+               goodput.FILE: lambda: goodput.read(tmp_path)[1]}[name]()
+    assert problem is not None and ("time" in problem or "start" in problem) and "\n" not in problem, problem
+    assert len(problem) < 300
