@@ -54,14 +54,16 @@ def real_run(tmp_path_factory) -> Path:
 
 
 def _places(rd: Path) -> list[str]:
-    """The run directory's records, its checkpoints' records and files, relative to it."""
+    """The run directory's records, its checkpoints' records and files, and its sweep's index,
+    relative to it."""
     step = sorted((rd / "checkpoints").glob("step-*"))[-1]
     data = sorted(p for p in step.iterdir() if p.name != "commit.json")[0]
     return ["config.yaml", "job.json", "requeue.json", "requeue.pending", "stopped.json", "result.json",
             "goodput.json", "metrics.jsonl", "logs/rank-0.log", "logs/rank-1.error",
             str(ranks.path(rd, 0).relative_to(rd)), str(ranks.path(rd, 1).relative_to(rd)),
             str((step / "commit.json").relative_to(rd)), str(data.relative_to(rd)),
-            str(step.relative_to(rd)), str(step.parent.relative_to(rd) / "step-3" / "commit.json")]
+            str(step.relative_to(rd)), str(step.parent.relative_to(rd) / "step-3" / "commit.json"),
+            "../sweep.json"]
 
 
 DAMAGE = st.one_of(CONTENT, st.sampled_from(SPECIAL + ("victim-link",)))
@@ -112,7 +114,7 @@ def _check_said(err: str, argv: list[str]) -> None:
     assert all(len(line) < 2000 for line in err.splitlines()), (argv, err)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(data=st.data(), reply=REPLY)
 def test_every_reading_command_takes_a_fuzzed_run_directory(real_run, tmp_path_factory, capsys, data, reply):
