@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# The install's inputs: the project's dependencies and the install line below (a changed one reinstalls).
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 RUN_DIR ?= runs/digits-$(shell date +%Y%m%d-%H%M%S)
 # pytest-xdist workers for `make test`: 2 take about half the time of one process (the tests
 # wait more than they compute; a test marked `quiet` still runs alone). TEST_WORKERS=0: one
@@ -12,11 +13,14 @@ TEST_WORKERS ?= 2
 .PHONY: run test test-fast venv bench clean
 
 # The first install downloads torch and the rest (about 2 minutes): pip's own progress is shown,
-# so a newcomer sees it working instead of a silent terminal.
-$(STAMP): pyproject.toml
+# so a newcomer sees it working instead of a silent terminal. editable_mode=compat puts the clone
+# on sys.path (a .pth line) instead of a finder that runs after the path's own: with that finder, a
+# script beside the clone (whose folder is named hpc_train, as `git clone` names it) imported the
+# folder as an empty namespace package ("module 'hpc_train' has no attribute 'init'").
+$(STAMP): pyproject.toml Makefile
 	@echo "make: setting up $(VENV): installing hpc_train with torch, submitit and the test tools (about 2 minutes the first time)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install --disable-pip-version-check -e '.[test]' --config-settings editable_mode=compat
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)

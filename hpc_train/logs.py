@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +30,16 @@ class _RankFileHandler(logging.FileHandler):
         # Never through a symlink planted at the log's path (logging's own open() follows it).
         from hpc_train.rundir import open_append
         return open_append(Path(self.baseFilename))
+
+
+# hpc_train's own log line, as the formatter below writes it: "[rank R] HH:MM:SS LEVEL message".
+_OWN_LINE = re.compile(rb"\[rank [0-9]+\] [0-9]{2}:[0-9]{2}:[0-9]{2} (?:DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+
+
+def own_line(line: bytes) -> bool:
+    """Whether a line of a process's output is hpc_train's own log line (which its file handler
+    already wrote to the rank's log), not a line the user's code printed, whatever it starts with."""
+    return _OWN_LINE.match(line) is not None
 
 
 def setup_logging(rank: int, run_dir: Path | None, level: str = "INFO") -> None:

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from hpc_train import rundir
+from hpc_train import logs, rundir
 from hpc_train.config import JobSection, TrainSection
 from hpc_train.launch import framework_check, joined
 from hpc_train.node import environment, liveness, watchdog
@@ -75,9 +75,10 @@ def _tee(src: IO[bytes], console: IO[bytes], logfile: IO[bytes], tail: collectio
                 # /dev/null, so this process's own later flushes cannot fail either; the log keeps it all.
                 _drop(console)
                 console = None
-        # hpc_train's own log lines in the child ("[rank R] ...") reach the file through its
-        # own handler; everything else the script prints is written here.
-        if not line.startswith(b"[rank "):
+        # hpc_train's own log lines in the child reach the file through its own handler;
+        # everything else the script prints is written here (a line of its own that starts
+        # with "[rank 0]" too).
+        if not logs.own_line(line):
             with lock:
                 logfile.write(line)
                 logfile.flush()

@@ -264,3 +264,41 @@ def test_a_script_that_exits_3_by_itself_is_that_rank_s_failure(tmp_path):
 
 def _lines_with(text: str, what: str) -> str:
     return "\n".join(line for line in text.splitlines() if what in line)
+
+
+# -- issue 51: what a script prints is in its rank's log, whatever it starts with ------------
+
+@pytest.mark.parametrize("line, own", [
+    (b"[rank 0] 12:04:05 INFO process group ready\n", True), (b"[rank 13] 00:00:00 WARNING x\n", True),
+    (b"[rank 0] epoch 1 done\n", False), (b"[rank 0]\n", False), (b"[rank: 0] Seed set to 3\n", False),
+    (b"[rank 0] 12:04 INFO x\n", False), (b"x [rank 0] 12:04:05 INFO x\n", False), (b"\xff\xfe\n", False),
+])
+def test_hpc_train_s_own_line_is_told_from_the_script_s(line, own):
+    from hpc_train import logs
+    assert logs.own_line(line) is own
+
+
+PRINTS_RANK = """\
+import os
+r = os.environ["RANK"]
+print(f"[rank {r}] epoch 1 done", flush=True)
+print(f"plain line of rank {r}", flush=True)
+"""
+
+
+@pytest.mark.procs
+def test_a_line_the_script_prints_with_a_rank_prefix_is_in_its_log(tmp_path):
+    """A script's own "[rank N] ..." lines reached the console but were dropped from
+    logs/rank-N.log (the supervisor took them for hpc_train's own, which its handler writes)."""
+    script = tmp_path / "prints.py"
+    script.write_text(PRINTS_RANK)
+    rd = tmp_path / "run"
+    p = hpc("run", "--script", script, "--nproc", "2", "--run-dir", rd)
+    assert p.returncode == 0, show(p)
+    for r in (0, 1):
+        log = (rd / "logs" / f"rank-{r}.log").read_text()
+        assert log.count(f"[rank {r}] epoch 1 done\n") == 1 and f"plain line of rank {r}\n" in log, log
+        own = [ln for ln in log.splitlines() if re.match(rf"\[rank {r}\] \d\d:\d\d:\d\d [A-Z]+ ", ln)]
+        assert len(own) == len(set(own)), log     # hpc_train's own lines once each
+        lg = hpc("logs", rd, "--rank", str(r))
+        assert f"[rank {r}] epoch 1 done" in lg.stdout, show(lg)
