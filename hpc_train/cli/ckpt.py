@@ -19,6 +19,12 @@ def _run_dir(arg: str, local_too: bool = False) -> Path:
     if not p.is_dir():
         raise UsageError(f"ckpt: {p} is not a directory (give a run directory, e.g. runs/digits)")
     if not store.ckpt_root(p).is_dir() and not (local_too and _local_view(p)[0]):
+        from hpc_train import config
+        train = config.section(config.read_saved(p)[0], "train")
+        if train.get("script") or train.get("fn"):
+            raise UsageError(f"ckpt: {p} has no hpc_train checkpoints (no checkpoints/ directory): hpc_train saves "
+                             f"here only for code that calls hpc_train.init(); a script's own checkpoints are "
+                             f"wherever it writes them")
         raise UsageError(f"ckpt: {p} has no checkpoints/ directory")
     return p
 
@@ -53,7 +59,8 @@ def cmd_list(run_dir: Path) -> int:
               f"{'complete' if i.complete else f'INCOMPLETE: {i.problem}'}")
     aside = store.moved_aside(run_dir)
     if aside:
-        print(f"moved aside: {len(aside)} (the newest {keep_skipped} are kept: checkpoint.keep_skipped)")
+        print(f"moved aside by a resume, as incomplete or damaged: {len(aside)} (kept for you to look at; "
+              f"the newest {keep_skipped} are kept, older ones removed: checkpoint.keep_skipped)")
     for a in aside:
         print(f"  {a.name}  {_du(a) / 1e6:.2f}MB")
     print(f"disk use of {store.ckpt_root(run_dir)}: {_du(store.ckpt_root(run_dir)) / 1e6:.2f}MB")

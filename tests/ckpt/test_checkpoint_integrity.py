@@ -250,7 +250,7 @@ def test_prune_moves_skipped_and_partial_aside_and_bounds_them(copy):
     assert len(names) == KEEP_SKIPPED and names[-2:] == ["step-6", "step-8"], names
     assert {a.name for a in store.moved_aside(rd)} & {f"step-2.skipped-{1600000000 + k}" for k in range(2)} == set()
     lst = hpc("ckpt", "list", rd)
-    assert f"moved aside: {KEEP_SKIPPED} (the newest {KEEP_SKIPPED} are kept: checkpoint.keep_skipped)" in lst.stdout, show(lst)
+    assert f"moved aside by a resume, as incomplete or damaged: {KEEP_SKIPPED} (kept for you to look at; the newest {KEEP_SKIPPED} are kept, older ones removed: checkpoint.keep_skipped)" in lst.stdout, show(lst)
     assert "disk use of" in lst.stdout
 
 

@@ -55,7 +55,7 @@ def test_list_shows_step_time_size_status_world(copy):
     assert rows[2][-1] != "complete" and "INCOMPLETE: no commit record" in p.stdout.splitlines()[3]
     aside_mb = sum(f.stat().st_size for f in aside.iterdir()) / 1e6
     total_mb = sum(f.stat().st_size for f in (rd / "checkpoints").rglob("*") if f.is_file()) / 1e6
-    assert lines[4:] == ["moved aside: 1 (the newest 3 are kept: checkpoint.keep_skipped)", f"  step-8.skipped-1700000000  {aside_mb:.2f}MB",
+    assert lines[4:] == ["moved aside by a resume, as incomplete or damaged: 1 (kept for you to look at; the newest 3 are kept, older ones removed: checkpoint.keep_skipped)", f"  step-8.skipped-1700000000  {aside_mb:.2f}MB",
                          f"disk use of {rd / 'checkpoints'}: {total_mb:.2f}MB"], lines
 
 
@@ -265,3 +265,14 @@ def test_ckpt_list_shows_local_items_when_the_shared_tier_has_none_and_names_wha
     assert restart_point(rd, None) == ("restarted in place: step 5 from the node-local tier (every rank of 1 held) "
                                        "(1 other item(s) ignored: saved under another config); a requeue: step 0 "
                                        "(no shared checkpoint yet)")
+
+
+def test_ckpt_list_of_a_script_s_run_says_where_its_checkpoints_are(tmp_path):
+    """Issue 51: a --script run keeps its own checkpoints; `ckpt list` said only "has no
+    checkpoints/ directory"."""
+    from helpers import one_line_exit2
+    from hpc_train import config
+    rd = tmp_path / "run"
+    config.write(config.load(None, ["train.script=train.py"]), rd)
+    line = one_line_exit2(hpc("ckpt", "list", rd), str(rd), "no hpc_train checkpoints")
+    assert "hpc_train.init()" in line and "a script's own checkpoints are wherever it writes them" in line
