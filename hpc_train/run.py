@@ -46,7 +46,7 @@ from hpc_train.errors import EXIT_STOPPED, UsageError
 from hpc_train.node import guard
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.session import Session
-from hpc_train.node.stops import Agreement, StopRequest, Votes, record_stop
+from hpc_train.node.stops import Agreement, StopRequest, Votes, agree_signal, record_stop
 from hpc_train.records import result as result_record, stop as stop_record
 
 log = logging.getLogger("hpc_train")
@@ -321,6 +321,7 @@ class Run:
 
     def _on_stop(self, step: int) -> None:
         self.stopped, self.stop_step = True, step
+        agree_signal(self.stop, self._multi, self.device)
         if self._ckpt is not None:
             self._ckpt.close()
         self._report.flush()     # the loop may still log this step; closed at exit

@@ -252,6 +252,12 @@ class StopRequest:
             self.swap = (rank, node)
             self._record(signal.SIGTERM)   # escalated as any stop, should the loop stop reaching step_end
 
+    def adopt(self, signum: int, received_at: float | None) -> None:
+        """A stop this rank took part in because a peer was asked (the agreement carried it):
+        its signal and time, for the records. Nothing escalates: the loop is already leaving."""
+        if self.signum is None and not self._done:
+            self.signum, self.received_at = signum, received_at
+
     def request(self, signum: int = signal.SIGTERM) -> None:
         """Ask for a stop from code (tests, a user's callback): recorded and escalated as a signal
         would be; the program's own handler is not called (no signal came)."""
@@ -402,6 +408,22 @@ def _agreement_hook(state: Agreement, bucket):
 def _first(fut):
     # A Python comm hook's future must hold a Python object (DDP asserts it): the bucket tensor.
     return fut.value()[0]
+
+
+def agree_signal(stop: StopRequest, multi: bool, device: Any) -> None:
+    """At an agreed stop, once: a rank that was not asked itself (a signal reached a peer only)
+    takes the stop's signal and time from the ranks that were, by one small MAX all-reduce, so
+    rank 0's record and line name the signal ("stopped by none" before). Every rank of an
+    agreed stop calls it at the same step, so the collective matches."""
+    if not multi:
+        return
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(stop.signum or 0), float(stop.received_at or 0.0)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    signum, at = (float(v) for v in t.tolist())
+    if signum > 0:
+        stop.adopt(int(signum), at or None)
 
 
 def record_stop(env: Any, run_dir: Path, stop: StopRequest, step: int | None, checkpoint: bool):

@@ -234,3 +234,26 @@ def test_a_lost_peer_is_one_line_naming_it_under_torchrun(tmp_path):
     rest = err.replace(lines[0], "")
     assert "Connection reset by peer" not in rest and "Connection closed by peer" not in rest, err[-4000:]
     assert "lost a peer" in (rd / "logs" / "rank-0.error").read_text()
+
+
+@pytest.mark.parametrize("path", ["torchrun", "run-fn"])
+def test_a_stop_that_reached_rank_1_only_names_its_signal(tmp_path, path):
+    """Issue 51: a SIGTERM to rank 1 alone is a stop of every rank at one step (the agreement);
+    rank 0, which writes the stop record and says the line, learned of it from its peer and
+    said "checkpoint saved by none", and stopped.json held "stop_signal": "none"."""
+    rd = run_dir_of(path, tmp_path)
+    argv, env, cwd = command(path, tmp_path, rd, slow=True)
+    p = start(argv, env, cwd)
+    try:
+        wait_for_step(rd, 3, p)
+        pid = json.loads((rd / "logs" / ".heartbeat" / "rank-1").read_text())["pid"]
+        os.kill(pid, signal.SIGTERM)
+        code, err = finish(p)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert code == documented_exit("stopped", column(path)), err[-4000:]
+    rec = json.loads((rd / "stopped.json").read_text())
+    assert rec["stop_signal"] == "TERM" and rec["checkpoint"] is True, rec
+    assert f"checkpoint saved by SIGTERM at step {rec['steps']}" in (rd / "logs" / "rank-0.log").read_text()
+    assert "by none" not in err and "by none" not in status(rd)[1], err[-3000:]
