@@ -152,6 +152,7 @@ def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequ
     started_at = time.monotonic()
     next_look = time.monotonic() + LOOK_EVERY_S
     exit_fd = _exit_fd(proc.pid)
+    wake = _signal_wakeup()
     while proc.poll() is None:
         never_joined = watch.poll()
         if never_joined:
@@ -182,10 +183,11 @@ def _watch(proc: subprocess.Popen, job: JobSection, env: NodeEnv, stop: StopRequ
             log.error("the script did not exit %d s after SIGTERM (job.signal_lead); killing it", job.signal_lead)
             _kill_tree(proc.pid)
             forwarded_at = float("inf")
-        _sleep_unless_exit(exit_fd)
+        _sleep_unless_exit(exit_fd, wake)
     exited_at = time.monotonic()
     if exit_fd is not None:
         os.close(exit_fd)
+    _close_wakeup(wake)
     proc.wait()
     # A stop that reached this process before the script exited reached the script as well, or
     # would have: a launcher's SIGTERM goes to the whole process group (torchrun's workers), so
@@ -202,11 +204,41 @@ def _exit_fd(pid: int) -> int | None:
         return None
 
 
-def _sleep_unless_exit(exit_fd: int | None) -> None:
-    if exit_fd is None:
+def _signal_wakeup() -> int | None:
+    """The read end of a pipe that each signal this process gets writes a byte to
+    (``signal.set_wakeup_fd``), so the watch passes a stop on the moment it comes instead of at
+    its next poll: the ranks' scripts then end within a moment of each other, and a peer still in
+    a collective is gone before it can print gloo's "Connection reset by peer" traceback. None
+    off the main thread (no wakeup fd can be set there): the poll alone then."""
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:
+        os.close(r)
+        os.close(w)
+        return None
+    return r
+
+
+def _close_wakeup(r: int | None) -> None:
+    if r is not None:
+        os.close(signal.set_wakeup_fd(-1))
+        os.close(r)
+
+
+def _sleep_unless_exit(exit_fd: int | None, wake: int | None) -> None:
+    """Wait up to POLL_S, less when the script exits or a signal comes (its handler has run
+    when this returns)."""
+    fds = [fd for fd in (exit_fd, wake) if fd is not None]
+    if not fds:
         time.sleep(POLL_S)
-    else:
-        select.select([exit_fd], [], [], POLL_S)    # a signal's handler runs, then the wait goes on
+        return
+    ready, _, _ = select.select(fds, [], [], POLL_S)
+    if wake in ready:
+        try:
+            os.read(wake, 512)    # drained: the next wait sleeps again
+        except BlockingIOError:
+            pass
 
 
 def _conclude(code: int, forwarded: bool, wrong: list[str], tail: list[str], script: Path,

@@ -302,3 +302,25 @@ def test_a_line_the_script_prints_with_a_rank_prefix_is_in_its_log(tmp_path):
         assert len(own) == len(set(own)), log     # hpc_train's own lines once each
         lg = hpc("logs", rd, "--rank", str(r))
         assert f"[rank {r}] epoch 1 done" in lg.stdout, show(lg)
+
+
+def test_a_signal_ends_the_supervisor_s_wait_at_once(monkeypatch):
+    """Issue 51: a plain script's clean stop printed gloo's "Connection reset by peer" traceback
+    from a rank whose supervisor passed the SIGTERM on at its next poll (up to 0.2 s after its
+    peer's). A signal now wakes the wait, so each supervisor passes the stop on as it comes.
+    With the poll made a minute long, the wait still ends right after the signal."""
+    import threading
+    from hpc_train.launch import supervise
+    monkeypatch.setattr(supervise, "POLL_S", 60.0)
+    got: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+    wake = supervise._signal_wakeup()
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        t0 = time.monotonic()
+        supervise._sleep_unless_exit(None, wake)
+        took = time.monotonic() - t0
+    finally:
+        supervise._close_wakeup(wake)
+        signal.signal(signal.SIGUSR1, old)
+    assert got == [1] and took < 30, took
