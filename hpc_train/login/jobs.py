@@ -211,7 +211,8 @@ def restart_point(run_dir: Path, shared: store.CkptInfo | None) -> str | None:
     the items this machine sees, judged as the restore judges them (this run, its config, its
     last start's tier ID and world size; the checksums of what it would load). A requeue lands
     on nodes that hold nothing, so it always starts from the shared tier (``shared``: its newest
-    complete checkpoint, as for :func:`resume_point`). None when the run has no local tier."""
+    complete checkpoint, as for :func:`resume_point`). None when the run has no local tier, or
+    is code of its own with no hpc_train checkpoint in either tier (it resumes from its own)."""
     from hpc_train import config, config_local
     from hpc_train.ckpt import store, tiers
     try:
@@ -221,6 +222,8 @@ def restart_point(run_dir: Path, shared: store.CkptInfo | None) -> str | None:
     if not config_local.enabled(cfg.checkpoint):
         return None
     items, ident = tiers.view(run_dir, cfg)
+    if not items and shared is None and (cfg.train.script or cfg.train.fn):
+        return None    # code of its own with no hpc_train checkpoint: resume_point's line says it all
     held = tiers.restart(items, ident, verify=store.verify_checksums)
     ignored = tiers.not_this_runs(items, ident)
     aside = f" ({len(ignored)} other item(s) ignored: {ignored[0][1]})" if ignored else ""

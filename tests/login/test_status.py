@@ -399,3 +399,21 @@ def test_script_finished_is_refused_as_status_said(plain):
     assert st["local run"] == "finished (result.json)", st["text"]
     assert st["rerun"].startswith("refused: the run finished (result.json)"), st["text"]
     assert rerun.returncode == 0 and "nothing to do" in rerun.stderr, show(rerun)
+
+
+@pytest.mark.parametrize("code", ["train.script=train.py", "train.fn=pkg.mod:main"])
+def test_status_of_own_code_without_hpc_train_checkpoints_names_no_tier_restart(tmp_path, capsys, code):
+    """Issue 51: status of a plain script said "the code resumes from its own checkpoints", then
+    "restarted in place: the node-local tier's newest step ..., else step 0; a requeue: step 0"."""
+    from unittest import mock
+
+    from hpc_train import config, slurm
+    from hpc_train.cli.main import main
+    from hpc_train.records import jobs
+    rd = tmp_path / "run"
+    config.write(config.load(None, [code]), rd)
+    jobs.append(rd, "7", "submit", print)      # a Slurm job; its state unknown here (squeue fails)
+    with mock.patch.object(slurm, "_call", return_value=slurm.Reply(None, "squeue is not on PATH")):
+        assert main(["status", str(rd)]) == 0
+    out = capsys.readouterr().out
+    assert "resumes from its own checkpoints" in out and "restarted in place" not in out, out
