@@ -128,9 +128,15 @@ def rank_dir(node: Path, rank: int) -> Path:
     return node / f"rank-{rank}"
 
 
+def this_id(launcher: str | None) -> str:
+    """This process's tier ID (:func:`run_id` of its environment and parent: a worker's parent is
+    its launcher; ``launcher``: the ``run`` launcher's ID from this process's environment, if
+    any). The rank record keeps it; the tier's path is built from it."""
+    return run_id(os.environ, os.getppid(), launcher)
+
+
 def this_process(local_dir: str, run_dir: Path | str, launcher: str | None) -> Path:
-    """This process's node directory of ``run_dir`` (a worker's parent is its launcher;
-    ``launcher``: the ``run`` launcher's ID from this process's environment, if any)."""
+    """This process's node directory of ``run_dir`` (its ID: :func:`this_id`)."""
     return node_dir(job_dir(local_dir, os.environ, os.getppid(), launcher), run_dir, os.environ)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hpc_train import config_local, rundir
@@ -107,13 +108,15 @@ def _where(item: tiers.LocalItem) -> str:
     return f"{item.node}/{config_local.COPIES + '/' if item.copy else ''}rank-{item.info.record.get('rank')}"
 
 
-def _restart_line(run_dir: Path, seen: list[tiers.LocalItem], ident: tiers.Identity) -> None:
+def _restart_line(run_dir: Path, seen: list[tiers.LocalItem], ident: tiers.Identity,
+                  verify: Callable[[store.CkptInfo], str | None] = store.verify_checksums) -> None:
     """What a restart in place loads, as the restore decides it (hpc_train.ckpt.tiers), when this
-    machine sees items of the run's node-local tier (from elsewhere, ``status`` says what it can)."""
+    machine sees items of the run's node-local tier (from elsewhere, ``status`` says what it can).
+    ``verify``: how an item's checksums are read back (``ckpt verify`` hands in what it found)."""
     if not seen:
         return
     shared = store.newest_complete(run_dir)
-    chosen = tiers.restart(seen, ident, verify=store.verify_checksums)
+    chosen = tiers.restart(seen, ident, verify=verify)
     print(f"a restart in place loads {tiers.loads(chosen, shared.step if shared else None)}")
 
 
@@ -156,13 +159,16 @@ def cmd_verify(run_dir: Path) -> int:
         print(f"step {info.step}: {'ok' if problem is None else 'BAD: ' + problem}")
     seen, ident = _local_view(run_dir)
     mine = [i for i in seen if not i.info.complete or i.why_not(ident) is None]
+    found: dict[int, str | None] = {}     # each item read back once: the restart line reuses it
     for item in mine:
         problem = item.info.problem if not item.info.complete else store.verify_checksums(item.info)
+        found[id(item.info)] = problem
         bad += problem is not None
         print(f"local step {item.info.step} ({_where(item)}): {'ok' if problem is None else 'BAD: ' + problem}")
     if not infos and not mine:
         print("no checkpoints")
-    _restart_line(run_dir, seen, ident)
+    _restart_line(run_dir, seen, ident,
+                  lambda info: found[id(info)] if id(info) in found else store.verify_checksums(info))
     return 1 if bad else 0
 
 

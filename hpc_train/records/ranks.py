@@ -156,7 +156,7 @@ def begin(run_dir: Path, rank: int, world_size: int | None) -> Path:
     io.write_json(p, {"rank": rank, "host": socket.gethostname(), "node": node_name(), "pid": os.getpid(),
                           "job": step.job, "restart": step.restart, "attempt": step.attempt, "launch": step.launch,
                           "world_size": world_size, "started": time.time(), "addr": host_address(),
-                          "tier_id": config_local.run_id(os.environ, os.getppid(), os.environ.get(rundir.LOCAL_ID_ENV))})
+                          "tier_id": config_local.this_id(os.environ.get(rundir.LOCAL_ID_ENV))})
     return p
 
 
