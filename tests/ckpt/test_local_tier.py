@@ -90,6 +90,38 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
+def fake_nodes(cwd: Path, shm: Path, kill_at: int, nodes: tuple[str, ...] = ("fakeA", "fakeB"), restarts: str = "0",
+               **env: str) -> list[subprocess.CompletedProcess]:
+    """The loop on ``nodes`` in ``cwd``, its tier's base ``shm``: one torchrun agent and worker per
+    fake node, each with its own ``SLURMD_NODENAME`` (their local tiers lie apart as on two
+    machines), ``--max-restarts RESTARTS``, a c10d rendezvous on this machine. On a hang the agents
+    are ended (they end their workers), then killed: nothing is left behind."""
+    (cwd / "loop.py").write_text(WRAPPER)
+    shm.mkdir(exist_ok=True)
+    port, procs, done = _port(), [], []
+    for i, node in enumerate(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc_per_node", "1",
+               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "fake-nodes",
+               "--rdzv_conf", f"is_host={'true' if i == 0 else 'false'}", "--max-restarts", restarts,
+               "--monitor-interval", "0.2", "loop.py", str(STEPS), str(kill_at), str(shm)]
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=clean_env(SLURMD_NODENAME=node, **env),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    return done
+
+
 def _torchrun(cwd: Path, kill_at: int, restarts: str = "1", **env: str) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node 2 --max-restarts RESTARTS loop.py STEPS KILL_AT LOCAL_DIR`` in ``cwd``."""
     (cwd / "loop.py").write_text(WRAPPER)

@@ -20,15 +20,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import clean_env, hpc, show
-from test_local_tier import STEPS, KILL_AT, WRAPPER, _assert_bitwise, _logs, _port
+from helpers import hpc, show
+from test_local_tier import KILL_AT, _assert_bitwise, _logs, fake_nodes
 
 from hpc_train.ckpt import store
 from hpc_train.ckpt.local import peer
@@ -36,32 +35,8 @@ from hpc_train.ckpt.local import peer
 
 def _two_nodes(cwd: Path, kill_at: int, restarts: str = "1",
                **env: str) -> tuple[list[subprocess.CompletedProcess], Path]:
-    """Two torchrun agents, one per fake node, one worker each, ``--max-restarts RESTARTS``, in ``cwd``."""
-    (cwd / "loop.py").write_text(WRAPPER)
-    (cwd / "shm").mkdir(exist_ok=True)
-    port = _port()
-    procs = []
-    for node, host in (("fakeA", "true"), ("fakeB", "false")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "peer",
-               "--rdzv_conf", f"is_host={host}", "--max-restarts", restarts, "--monitor-interval", "0.2",
-               "loop.py", str(STEPS), str(kill_at), str(cwd / "shm")]
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=clean_env(SLURMD_NODENAME=node, **env),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:   # a hang: nothing left behind (the agents end their workers when they are killed)
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-    return done, cwd / "runs" / "loop"
+    """The loop on two fake nodes, ``--max-restarts RESTARTS``, in ``cwd``; and its run directory."""
+    return fake_nodes(cwd, cwd / "shm", kill_at, restarts=restarts, **env), cwd / "runs" / "loop"
 
 
 def _ok(done: list[subprocess.CompletedProcess]) -> None:

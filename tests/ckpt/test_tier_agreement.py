@@ -26,39 +26,20 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, hpc, show
-from test_local_tier import KILL_AT, STEPS, WRAPPER, _port
+from helpers import hpc, show
+from test_local_tier import KILL_AT, fake_nodes
 
 ID = "p4242"          # the tier ID the run's processes are handed (as a `run` launcher hands its own)
 
 
 def _loop(cwd: Path, shm: Path, kill_at: int, nodes: tuple[str, ...] = ("fakeA", "fakeB"),
           **env: str) -> list[subprocess.CompletedProcess]:
-    """The loop on ``nodes`` (one torchrun agent and worker each, no restarts) in ``cwd``."""
-    (cwd / "loop.py").write_text(WRAPPER)
-    port, procs, done = _port(), [], []
-    for i, node in enumerate(nodes):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc_per_node", "1",
-               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "agree",
-               "--rdzv_conf", f"is_host={'true' if i == 0 else 'false'}", "--max-restarts", "0",
-               "--monitor-interval", "0.2", "loop.py", str(STEPS), str(kill_at), str(shm)]
-        procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=clean_env(SLURMD_NODENAME=node, HPC_TRAIN_LOCAL_ID=ID, **env)))
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:   # a hang: nothing left behind (an agent ends its worker when it is ended)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return done
+    """The loop on ``nodes`` (no restarts) in ``cwd``, under this test's tier ID."""
+    return fake_nodes(cwd, shm, kill_at, nodes, HPC_TRAIN_LOCAL_ID=ID, **env)
 
 
 def _crashed(done: list[subprocess.CompletedProcess]) -> None:

@@ -114,6 +114,8 @@ def _check_said(err: str, argv: list[str]) -> None:
     assert all(len(line) < 2000 for line in err.splitlines()), (argv, err)
 
 
+# ckpt export loads in this one process: DCP says so once per call (the CLI's own process too).
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(data=st.data(), reply=REPLY)
