@@ -219,6 +219,26 @@ def test_a_failed_run_script_leaves_nothing_under_the_local_tier_s_base(tmp_path
 
 
 @pytest.mark.procs
+def test_a_failed_run_fn_leaves_nothing_under_the_local_tier_s_base(tmp_path):
+    """The same under ``run --fn``: the function runs in the launcher's workers, which name
+    their tier by the ID the launcher hands them; rank 1 is killed after its local saves, the
+    run fails, and the launcher removes the tier: nothing is left in node memory."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    rd = tmp_path / "run"
+    sets = [f"checkpoint.local_dir={shm}", "checkpoint.every_steps=4", "checkpoint.every_seconds=0",
+            "checkpoint.local_every_steps=3", "log.tensorboard=false"]
+    p = hpc("run", "--fn", "tests.scripts.local_tier_loop:fn", "--nproc", "2", "--run-dir", rd,
+            *[a for s in sets for a in ("--set", s)],
+            env=clean_env(LOCAL_TIER_STEPS=str(STEPS), LOCAL_TIER_KILL_AT=str(KILL_AT)))
+    assert p.returncode == 1, show(p)
+    logs = _logs(rd)
+    assert len(re.findall(r"local checkpoint tier: step 3 to " + re.escape(str(shm)), logs)) == 2, logs
+    assert "rank 1" in p.stderr and (rd / "local-steps-1.json").exists(), show(p)
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.procs
 def test_the_tier_is_never_built_inside_ddp_s_communication_hook(tmp_path):
     """A loop that never restores (the tier is not built by restore): the step's votes are read
     in DDP's hook during the first backward, and they only read timers; the tier is built before

@@ -99,5 +99,11 @@ def _flip(shard) -> None:
     shard.write_bytes(bytes(data))
 
 
+def fn() -> dict:
+    """``run --fn tests.scripts.local_tier_loop:fn``: the same loop as a callable, STEPS and KILL_AT
+    from ``LOCAL_TIER_STEPS`` and ``LOCAL_TIER_KILL_AT`` (the tier's settings from ``--set``)."""
+    return main(int(os.environ["LOCAL_TIER_STEPS"]))
+
+
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0)
