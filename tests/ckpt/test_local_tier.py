@@ -165,15 +165,34 @@ def test_a_rank_killed_in_place_restores_from_its_node_bitwise(tmp_path, referen
     assert list((tmp_path / "shm").iterdir()) == []
 
 
-def _python(cwd: Path, shm: Path, kill: bool) -> subprocess.CompletedProcess:
+def _python(cwd: Path, shm: Path, kill: bool, **env: str) -> subprocess.CompletedProcess:
     """A plain ``python loop.py STEPS KILL_AT LOCAL_DIR`` (one rank, run directory ``cwd/runs/loop``),
     started by this process: every such run has the same parent, as runs started from one shell do.
     ``kill``: its rank 0 is killed at KILL_AT (the arguments, part of the config, stay the same)."""
     cwd.mkdir(exist_ok=True)
     (cwd / "loop.py").write_text(WRAPPER)
     return subprocess.run([sys.executable, "loop.py", str(STEPS), str(KILL_AT), str(shm)], cwd=cwd,
-                          env=clean_env(LOCAL_TIER_KILL_RANK="0" if kill else "1"), capture_output=True, text=True,
-                          timeout=180)
+                          env=clean_env(LOCAL_TIER_KILL_RANK="0" if kill else "1", **env), capture_output=True,
+                          text=True, timeout=180)
+
+
+@pytest.mark.procs
+def test_a_rerun_with_another_config_says_which_local_items_it_does_not_load(tmp_path):
+    """A crash leaves local items of steps 3 and 6 (shared: 4); the rerun changes a setting (part
+    of the config's digest), so those items are not this config's: it resumes from the shared
+    tier's step 4, and says once why the newer local step 6 is not loaded (it fell back in
+    silence before)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    crashed = _python(tmp_path, shm, True)
+    assert crashed.returncode == -signal.SIGKILL, show(crashed)
+    again = _python(tmp_path, shm, False, SHARED_EVERY="2")
+    assert again.returncode == 0, show(again)
+    logs = _logs(tmp_path / "runs" / "loop")
+    assert "resumed from step 4" in logs, logs
+    said = [ln for ln in logs.splitlines() if "are not loaded" in ln]
+    assert len(said) == 1 and "1 newer item(s) of this run (up to step 6)" in said[0], said
+    assert "saved under another config" in said[0], said
 
 
 @pytest.mark.procs

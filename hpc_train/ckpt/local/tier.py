@@ -312,9 +312,23 @@ class LocalTier:
             dist.all_gather(every, buf)
             table, world = [[(q, int(s)) for s in b.cpu().tolist() if s >= 0] for q, b in enumerate(every)], self.world
         best = tiers.choose(table, world, shared_step).step
+        self._say_unloaded(max(best, shared_step))
         if best < 0:
             return None
         return next(i for i in self.usable() if i.step == best)
+
+    def _say_unloaded(self, restored: int) -> None:
+        """Rank 0, once at a restore: its own items of this run newer than the step restored
+        that no restart loads (saved under another config or world size), so that a rerun with
+        changed arguments does not fall back to an older step in silence."""
+        if self.rank != 0:
+            return
+        unloaded = [(i.step, why) for i in self._items() if i.complete and i.step > restored
+                    and i.record.get("run_dir") == self.ident.run_dir and (why := tiers.foreign(i.record, self.ident))]
+        if unloaded:
+            log.warning("local checkpoint tier: %d newer item(s) of this run (up to step %d) are not loaded: %s; a "
+                        "restart loads only items saved by the same config at the same world size",
+                        len(unloaded), max(s for s, _ in unloaded), unloaded[0][1])
 
     def _choose_with_copies(self, shared_step: int, device: torch.device) -> store.CkptInfo | None:
         """Every rank lists what its node holds, for any rank (after a lost node the ranks may sit
