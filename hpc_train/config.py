@@ -393,3 +393,10 @@ def read_saved(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     if text is None:
         return None, problem
     return parse_mapping(text)
+
+
+def runs_own_code(run_dir: Path) -> bool:
+    """Whether the run's saved config runs code of its own (``train.script`` or ``train.fn``),
+    whose checkpoints, if it keeps any, are its own business; False when it cannot be read."""
+    train = section(read_saved(run_dir)[0], "train")
+    return bool(train.get("script") or train.get("fn"))

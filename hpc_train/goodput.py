@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import time
 from collections.abc import Mapping

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-
 from hpc_train import config, rundir
 from hpc_train.advice import FLAGS, Advice
 from hpc_train.ckpt import store

@@ -21,8 +21,7 @@ def _run_dir(arg: str, local_too: bool = False) -> Path:
         raise UsageError(f"ckpt: {p} is not a directory (give a run directory, e.g. runs/digits)")
     if not store.ckpt_root(p).is_dir() and not (local_too and _local_view(p)[0]):
         from hpc_train import config
-        train = config.section(config.read_saved(p)[0], "train")
-        if train.get("script") or train.get("fn"):
+        if config.runs_own_code(p):
             raise UsageError(f"ckpt: {p} has no hpc_train checkpoints (no checkpoints/ directory): hpc_train saves "
                              f"here only for code that calls hpc_train.init(); a script's own checkpoints are "
                              f"wherever it writes them")

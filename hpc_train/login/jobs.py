@@ -199,8 +199,7 @@ def resume_point(run_dir: Path, newest: store.CkptInfo | None) -> str:
         age = f" (checkpoint {outcome.age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
         return f"the same command resumes from step {newest.step}{age}"
     from hpc_train import config
-    train = config.section(config.read_saved(run_dir)[0], "train")
-    if train.get("script") or train.get("fn"):
+    if config.runs_own_code(run_dir):
         return "no hpc_train checkpoint: the code resumes from its own checkpoints, if it keeps any"
     return "no checkpoint: a rerun starts from step 0"
 
