@@ -212,21 +212,28 @@ def a_crash_is_the_culprit_s_failure(path: str, tmp: Path, rd: Path, saved: int)
     assert newest == saved, newest
 
 
+def signal_rank_1(path: str, tmp: Path, rd: Path, sig: int) -> tuple[int, str, int]:
+    """``path`` started slow; at step 3, ``sig`` to rank 1's process alone (its pid from its
+    heartbeat). (exit code, stderr, that pid); nothing is left running."""
+    argv, env, cwd = command(path, tmp, rd, slow=True)
+    p = start(argv, env, cwd)
+    try:
+        wait_for_step(rd, 3, p)
+        pid = json.loads((rd / "logs" / ".heartbeat" / "rank-1").read_text())["pid"]
+        os.kill(pid, sig)
+        code, err = finish(p)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return code, err, pid
+
+
 @pytest.mark.slow
 def test_a_lost_peer_is_one_line_naming_it_under_torchrun(tmp_path):
     """kill -9 of rank 1 under torchrun: rank 0's failed collective is reported in one line that
     names rank 1, its pid and host, not gloo's raw traceback (issue: "Connection reset by peer")."""
     rd = run_dir_of("torchrun", tmp_path)
-    argv, env, cwd = command("torchrun", tmp_path, rd, slow=True)
-    p = start(argv, env, cwd)
-    try:
-        wait_for_step(rd, 3, p)
-        pid = json.loads((rd / "logs" / ".heartbeat" / "rank-1").read_text())["pid"]
-        os.kill(pid, signal.SIGKILL)
-        code, err = finish(p)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+    code, err, pid = signal_rank_1("torchrun", tmp_path, rd, signal.SIGKILL)
     assert code != 0
     lines = [ln for ln in err.splitlines() if "lost a peer" in ln]
     assert len(lines) == 1 and f"rank 1 (pid {pid} on {socket.gethostname()}) exited" in lines[0], err[-4000:]
@@ -242,16 +249,7 @@ def test_a_stop_that_reached_rank_1_only_names_its_signal(tmp_path, path):
     rank 0, which writes the stop record and says the line, learned of it from its peer and
     said "checkpoint saved by none", and stopped.json held "stop_signal": "none"."""
     rd = run_dir_of(path, tmp_path)
-    argv, env, cwd = command(path, tmp_path, rd, slow=True)
-    p = start(argv, env, cwd)
-    try:
-        wait_for_step(rd, 3, p)
-        pid = json.loads((rd / "logs" / ".heartbeat" / "rank-1").read_text())["pid"]
-        os.kill(pid, signal.SIGTERM)
-        code, err = finish(p)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+    code, err, _ = signal_rank_1(path, tmp_path, rd, signal.SIGTERM)
     assert code == documented_exit("stopped", column(path)), err[-4000:]
     rec = json.loads((rd / "stopped.json").read_text())
     assert rec["stop_signal"] == "TERM" and rec["checkpoint"] is True, rec
