@@ -1,11 +1,14 @@
 """What a damaged disk, a restored backup, a rename by hand or another user's file can leave where a
-record should be: the byte strategies (hypothesis) and the special files, shared by the readers'
-fuzz (test_fuzz_readers) and the commands' fuzz (test_fuzz_commands)."""
+record should be: the byte strategies (hypothesis), the special files and a time limit, shared by
+the readers' fuzz (test_fuzz_readers) and the commands' fuzz (test_fuzz_commands)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hypothesis import strategies as st
@@ -57,3 +60,22 @@ def make_special(f: Path, kind: str, elsewhere: Path) -> None:
         f.symlink_to("/dev/zero")
     else:
         raise ValueError(kind)
+
+
+class Blocked(Exception):
+    pass
+
+
+@contextmanager
+def within(seconds: int) -> Iterator[None]:
+    """The block, given ``seconds`` (SIGALRM, main thread): a reader that blocks (a FIFO opened
+    without O_NONBLOCK) or loops fails the test instead of hanging it."""
+    def alarm(*_: object) -> None:
+        raise Blocked(f"did not return within {seconds} s")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

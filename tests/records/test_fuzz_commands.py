@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
 import pytest
-from damage import CONTENT, SPECIAL, make_special
+from damage import CONTENT, SPECIAL, make_special, within
 from helpers import run, show, write_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -69,23 +66,6 @@ def _places(rd: Path) -> list[str]:
 DAMAGE = st.one_of(CONTENT, st.sampled_from(SPECIAL + ("victim-link",)))
 # What Slurm answers each call: nothing known (a failed or silent command), or any text.
 REPLY = st.one_of(st.just(slurm.Reply(None, "squeue failed: timeout")), st.text(max_size=80).map(slurm.Reply))
-
-
-class _Blocked(Exception):
-    pass
-
-
-@contextmanager
-def _within(seconds: int) -> Iterator[None]:
-    def alarm(*_: object) -> None:
-        raise _Blocked(f"did not return within {seconds} s")
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _damage(rd: Path, place: str, damage: bytes | str, outside: Path) -> None:
@@ -133,11 +113,11 @@ def test_every_reading_command_takes_a_fuzzed_run_directory(real_run, tmp_path_f
         _damage(rd, place, data.draw(DAMAGE, label=place), outside)
     with mock.patch.object(slurm, "_call", return_value=reply):
         for argv in _commands(sweep, rd, work / "model.pt"):
-            with _within(20):
+            with within(20):
                 code = main(argv)
             assert code in (0, 1, 2), (argv, code)
             _check_said(capsys.readouterr().err, argv)
-        with _within(20):
+        with within(20):
             msg, code, lines = hook.hook(rd, 1, env={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0",
                                                      "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1"})
         assert isinstance(code, int) and "\n" not in msg and all(isinstance(x, str) for x in lines), (msg, lines)

@@ -8,13 +8,12 @@ same way. A reader broken on purpose (a bare ``json.loads`` on a record) fails h
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from damage import CONTENT, RECORDS, SPECIAL, VALUES, make_special
+from damage import CONTENT, RECORDS, SPECIAL, VALUES, make_special, within
 from hypothesis import strategies as st
 
 import hpc_train.login.jobs
@@ -95,21 +94,10 @@ def test_listings_take_any_step_or_rank_name(tmp_path, name):
         shutil.rmtree(rd)
 
 
-class _Blocked(Exception):
-    pass
-
-
 def _call(reader: Callable[[Path], object], rd: Path) -> None:
     """The reader, given 10 s: a FIFO read without O_NONBLOCK would block for good."""
-    def alarm(*_: object) -> None:
-        raise _Blocked("the reader blocked")
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(10)
-    try:
+    with within(10):
         reader(rd)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.mark.parametrize("name", READERS)
