@@ -47,7 +47,8 @@ from hpc_train.node import guard
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.session import Session
 from hpc_train.node.stops import Agreement, StopRequest, Votes, agree_signal, record_stop
-from hpc_train.records import result as result_record, stop as stop_record
+from hpc_train.records import keeper as keeper_record, result as result_record, stop as stop_record
+from hpc_train.records.keeper import Keeper
 
 log = logging.getLogger("hpc_train")
 
@@ -78,6 +79,7 @@ class Run:
         from hpc_train.node.report import Reporter
         self._report = Reporter(cfg.log, self.run_dir, self.is_main)
         self._local = None   # the node-local tier (hpc_train.ckpt.local.tier), once asked for
+        self._keeper: Keeper | None = None   # the user's framework keeps the checkpoints (kept_by)
         self._start_step = 0
         self._resumed_from: int | None = None   # see Checkpointer.resumed_from; None: no restore
         self._last_state: Mapping[str, Any] | None = None
@@ -177,8 +179,21 @@ class Run:
             kinds_of(state)   # raises the clear error
         return self._kinds_cache[1]
 
+    def checkpoints_kept_by(self, keeper: Keeper) -> None:
+        """The code's framework keeps this run's checkpoints (a Hugging Face Trainer's
+        ``output_dir``: :mod:`hpc_train.huggingface`): hpc_train saves none of its own, in either
+        tier, so that no restart can load a step ahead of them (the framework's resume would then
+        go back below it), and ``step_end`` still agrees on every stop. Rank 0 records the keeper
+        for ``status`` and ``ckpt list``. Call before the first ``step_end``."""
+        if self._ckpt is not None or self._local is not None or self._prev_step is not None:
+            raise UsageError("run.checkpoints_kept_by: call it before the first step_end or restore "
+                             "(hpc_train has started checkpointing this run)")
+        self._keeper = keeper
+        if self.is_main:
+            keeper_record.write(self.run_dir, keeper)
+
     def _checkpointer(self):
-        if self._ckpt is None and self.config.checkpoint.enabled:
+        if self._ckpt is None and self.config.checkpoint.enabled and self._keeper is None:
             from hpc_train.ckpt.shared.save import Checkpointer
             self._ckpt = Checkpointer(self.config.checkpoint, self.run_dir, self.rank, self.world_size,
                                       self.checkpoint_record, timeout_s=self.config.dist.timeout_s)
@@ -186,7 +201,7 @@ class Run:
         return self._ckpt
 
     def _local_tier(self):
-        if self._local is None and config_local.enabled(self.config.checkpoint):
+        if self._local is None and config_local.enabled(self.config.checkpoint) and self._keeper is None:
             from hpc_train.ckpt.local.tier import LocalTier
             self._local = LocalTier(self.config.checkpoint, self.config.dist, self.run_dir, self.rank, self.world_size,
                                     self.checkpoint_record, env=self.env)
@@ -325,10 +340,12 @@ class Run:
         if self._ckpt is not None:
             self._ckpt.close()
         self._report.flush()     # the loop may still log this step; closed at exit
-        saved = self._ckpt is not None
+        saved = self._ckpt is not None or self._keeper is not None   # a keeper saves this step next
         record_stop(self.env, self.run_dir, self.stop, step=step, checkpoint=saved)
         if self.is_main:
-            log.info("%s by %s at step %d", "checkpoint saved" if saved else "stopped", self.stop.name, step)
+            kept = f"; {self._keeper.framework} saves its checkpoint of it" if self._keeper is not None else ""
+            log.info("%s by %s at step %d%s", "checkpoint saved" if self._ckpt is not None else "stopped",
+                     self.stop.name, step, kept)
 
     # -- reporting ---------------------------------------------------------------------------
     def log(self, step: int, *, epoch: int | None = None, console: bool | None = None, **scalars: float) -> None:

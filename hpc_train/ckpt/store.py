@@ -254,6 +254,7 @@ class ResumePlan:
     source: CkptInfo | None        # what to load; None = fresh start
     finished: bool = False
     moved_aside: Path | None = None
+    fresh: bool = False            # --resume none: code that keeps its own checkpoints starts over too
 
     def describe(self, own_code: str = "") -> str:
         """One line for the console. ``own_code`` names a script or function: hpc_train cannot see
@@ -262,14 +263,17 @@ class ResumePlan:
         if self.source is None:
             if own_code:
                 return (f"no hpc_train checkpoint to resume: {own_code} starts from step 0 if it steps through "
-                        f"hpc_train.init(), or from its own checkpoints if it keeps any")
+                        f"hpc_train.init(), or from its own checkpoints if it loads them itself (a Trainer "
+                        f"script: hpc_train.huggingface, docs/huggingface.md)")
             return "starting fresh"
         return f"resuming from {self.source.label}"
 
     def env_value(self) -> str:
-        """Passed to workers as HPC_TRAIN_RESUME: the checkpoint path, or 'latest' (which finds
-        nothing after a fresh plan; a requeued run then finds its own saves)."""
-        return str(self.source.path) if self.source else "latest"
+        """Passed to workers as HPC_TRAIN_RESUME: the checkpoint path, 'none' after ``--resume
+        none`` (a script's own resume, hpc_train.huggingface's, starts over; hpc_train's restore
+        finds nothing either way), else 'latest'. A requeue or an in-place restart is passed
+        'latest' by its batch script: the run then finds its own saves."""
+        return str(self.source.path) if self.source else "none" if self.fresh else "latest"
 
 
 def _given(run_dir: Path, mode: str, signature: dict[str, Any] | None, warn, verify: bool,
@@ -315,7 +319,7 @@ def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn
     infos = scan(run_dir)
     if mode == "none":
         if not infos and not is_finished(run_dir):
-            return ResumePlan(None)
+            return ResumePlan(None, fresh=True)
         # Nothing is deleted: the old checkpoints (and the finished marker) are moved aside.
         stamp = time.strftime("%Y%m%d-%H%M%S")
         aside = run_dir / f"checkpoints.old-{stamp}"
@@ -323,7 +327,7 @@ def plan(run_dir: Path, mode: str, signature: dict[str, Any] | None = None, warn
             ckpt_root(run_dir).rename(aside)
         if is_finished(run_dir):
             result.move_aside(run_dir, stamp)
-        return ResumePlan(None, moved_aside=aside if infos else None)
+        return ResumePlan(None, moved_aside=aside if infos else None, fresh=True)
     if mode != "latest":
         return _given(run_dir, mode, signature, warn, verify, requeued)
     # Warnings are collected, not printed: when none is usable, the error below names them all.

@@ -228,8 +228,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             from hpc_train.node.session import finished_line, finished_result
             print(finished_line(run_dir, finished_result(run_dir) or {}, "`--resume none`"), file=sys.stderr)
             return 0
+        from hpc_train.login import outcome
+        kept = (outcome.kept_point(run_dir, "resuming from")
+                if plan.source is None and cfg.train.script and args.resume == "latest" else None)
         print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
-              f"{plan.describe(_own_code(cfg))}", file=sys.stderr)
+              f"{kept or plan.describe(_own_code(cfg))}", file=sys.stderr)
         return launch.launch(args.nproc, run_dir / rundir.CONFIG, run_dir, resume=plan.env_value(), port=port,
                              hang_s=cfg.dist.timeout_s, lock_fd=lock.fd, script=bool(cfg.train.script),
                              local_dir=cfg.checkpoint.local_dir)

@@ -124,7 +124,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             unread.append(f"{rundir.METRICS} {tail.problem}")
         last = tail.last_step
         if last is not None:
-            epoch = f", epoch {last['epoch']}" if "epoch" in last else ""
+            e = last.get("epoch")
+            epoch = "" if e is None else f", epoch {e:.2f}" if isinstance(e, float) else f", epoch {e}"
             t = last.get("time")
             ago = f" ({outcome.age(time.time() - t)} ago)" if running and isinstance(t, (int, float)) else ""
             print(f"  last step {last['step']}{epoch}, loss {_num(last['loss'])}{ago}")
@@ -194,6 +195,9 @@ def resume_point(run_dir: Path, newest: store.CkptInfo | None) -> str:
     checkpoint (:func:`store.newest_complete`: its size record; resume also checks its
     checksums), or nothing. A script's own snapshots are invisible to hpc_train, so for a script
     only its hpc_train checkpoints are named."""
+    kept = outcome.kept_point(run_dir)
+    if kept is not None:
+        return kept
     if newest is not None:
         saved = newest.record.get("time")
         age = f" (checkpoint {outcome.age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""

@@ -170,6 +170,19 @@ def age(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
+def kept_point(run_dir: Path, lead: str = "the same command resumes from") -> str | None:
+    """What a rerun resumes from when the code's framework keeps the run's checkpoints
+    (``keeper.json``: a Trainer's ``output_dir``, through hpc_train.huggingface), else None."""
+    from hpc_train.records import keeper as keeper_record
+    keeper, _problem = keeper_record.read(run_dir)
+    if keeper is None:
+        return None
+    newest = keeper_record.newest_complete(keeper)
+    if newest is None:
+        return f"no complete checkpoint in the Trainer's output_dir {keeper.directory}: a rerun starts from step 0"
+    return f"{lead} step {newest.step}: the Trainer's {newest.path} (hpc_train keeps none for it)"
+
+
 def rerun(run_dir: Path, reports_steps: bool) -> str:
     """What the same command (``--resume latest``) does if run again now: resume from a step,
     start over, or be refused, and why. ``reports_steps``: the code reported steps to hpc_train
@@ -192,6 +205,9 @@ def rerun(run_dir: Path, reports_steps: bool) -> str:
                                       f"checksums are checked as it loads, and a damaged one falls back to the "
                                       f"one before")
         return f"the same command resumes from step {plan.source.step}{old}{unread}"
+    kept = kept_point(run_dir)
+    if kept is not None:
+        return kept
     if cfg is None:
         return (f"no hpc_train checkpoint: a rerun starts from the start ({rundir.CONFIG} cannot be read, so "
                 f"whether the code keeps checkpoints of its own cannot be told)")

@@ -280,7 +280,7 @@ def test_a_script_run_does_not_claim_to_start_fresh(tmp_path):
     # Nor that it resumes from its own (issue 29: a fresh script on hpc_train.init() was told so):
     # what each kind of script does.
     assert ("no hpc_train checkpoint to resume: the script starts from step 0 if it steps through "
-            "hpc_train.init(), or from its own checkpoints if it keeps any") in p.stderr, show(p)
+            "hpc_train.init(), or from its own checkpoints if it loads them itself") in p.stderr, show(p)
 
 
 # -- 5. a script run's config.yaml -----------------------------------------------------------
