@@ -13,14 +13,39 @@ from hpc_train.ckpt import store, tiers
 from hpc_train.errors import UsageError
 
 
-def _run_dir(arg: str, local_too: bool = False) -> Path:
+def _kept(run_dir: Path) -> int | None:
+    """``ckpt list`` of a run whose framework keeps its checkpoints (``keeper.json``: a Trainer's
+    output_dir): those, newest last, each complete or why not. None when there is no keeper."""
+    from hpc_train.records import keeper as keeper_record
+    keeper, _problem = keeper_record.read(run_dir)
+    if keeper is None:
+        return None
+    kept = keeper_record.trainer_checkpoints(keeper)
+    print(f"the Trainer's checkpoints in {keeper.directory} (hpc_train keeps none for this run; a rerun "
+          f"resumes from the newest complete one):")
+    if not kept:
+        print("  none")
+    for k in kept:
+        print(f"{k.step:>8}  {k.path.name}  {'complete' if k.complete else f'INCOMPLETE: {k.problem}'}")
+    return 0
+
+
+def _run_dir(arg: str, local_too: bool = False, kept_too: bool = False) -> Path:
     """The run directory of a ``ckpt`` command; ``local_too``: one whose only checkpoints are
-    node-local items (``ckpt list``) is one too."""
+    node-local items (``ckpt list``) is one too; ``kept_too``: so is one whose framework keeps
+    them (``keeper.json``)."""
     p = Path(arg)
     if not p.is_dir():
         raise UsageError(f"ckpt: {p} is not a directory (give a run directory, e.g. runs/digits)")
     if not store.ckpt_root(p).is_dir() and not (local_too and _local_view(p)[0]):
         from hpc_train import config
+        from hpc_train.records import keeper as keeper_record
+        keeper = keeper_record.read(p)[0]
+        if keeper is not None:
+            if kept_too:
+                return p
+            raise UsageError(f"ckpt: {p} has no hpc_train checkpoints: its Trainer keeps them in {keeper.directory} "
+                             f"(`ckpt list` shows them)")
         if config.runs_own_code(p):
             raise UsageError(f"ckpt: {p} has no hpc_train checkpoints (no checkpoints/ directory): hpc_train saves "
                              f"here only for code that calls hpc_train.init(); a script's own checkpoints are "
@@ -51,6 +76,10 @@ def _keep_skipped(run_dir: Path) -> int:
 
 
 def cmd_list(run_dir: Path) -> int:
+    if not store.ckpt_root(run_dir).is_dir():
+        kept = _kept(run_dir)
+        if kept is not None:
+            return kept
     keep_skipped = _keep_skipped(run_dir)
     infos = store.scan(run_dir)
     print(f"{'step':>8}  {'saved at':19}  {'size':>10}  {'world':>5}  status")
@@ -227,7 +256,8 @@ def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False, k
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    run_dir = _run_dir(args.run_dir, local_too=args.ckpt_command in ("list", "verify"))
+    run_dir = _run_dir(args.run_dir, local_too=args.ckpt_command in ("list", "verify"),
+                       kept_too=args.ckpt_command == "list")
     if args.ckpt_command == "list":
         return cmd_list(run_dir)
     if args.ckpt_command == "verify":
