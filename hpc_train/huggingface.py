@@ -65,6 +65,9 @@ def checkpoint_to_resume(args: Any) -> str | None:
     run = lifecycle.init()
     keeper = _keeper(args)
     _asked.add(keeper.directory)
+    saved, _problem = keeper_record.read(run.run_dir)
+    if saved is not None and saved.directory == keeper.directory:
+        keeper = saved   # judged for the world size that saved them (this run's may differ)
     spec = os.environ.get(rundir.RESUME_ENV, "latest")
     if _starting_over(run):
         return None

@@ -21,7 +21,8 @@ VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5) | st.di
 KEYS = ["steps", "stop_signal", "stop_received_at", "checkpoint", "events", "in_place", "requeued_at", "counts",
         "target", "step", "signal", "received_at", "rank", "pid", "world_size", "started", "job", "job_id",
         "submitted", "time", "key", "cause", "final", "segments", "config_hash", "world", "files", "ended",
-        "request", "restart", "attempt", "swap", "swap_rank"]
+        "request", "restart", "attempt", "swap", "swap_rank", "framework", "directory", "model_only",
+        "global_step"]
 # Objects whose keys are the records' own, with values of any kind: they reach each field's check.
 RECORDS = st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=12)
 

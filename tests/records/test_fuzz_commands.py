@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from hpc_train import slurm
 from hpc_train.cli.main import main
 from hpc_train.login import hook
-from hpc_train.records import jobs, ranks
+from hpc_train.records import jobs, keeper, ranks
 
 pytestmark = pytest.mark.procs    # the run that is damaged is a real one
 
@@ -47,7 +47,19 @@ def real_run(tmp_path_factory) -> Path:
     manifest = {"source": "x", "created": 0, "submissions": [{"jobs": ["7_0"], "time": 0}],
                 "tasks": [{"index": 0, "overrides": {"optim.lr": "0.1"}, "run_dir": str(rd), "jobs": ["7_0"]}]}
     (rd.parent / "sweep.json").write_text(json.dumps(manifest))
+    _trainer_checkpoint(rd)
     return rd.parent
+
+
+def _trainer_checkpoint(rd: Path) -> None:
+    """A Trainer's complete checkpoint-4 in rd/out, and keeper.json naming that directory (as
+    hpc_train.huggingface writes it), for status's and ckpt's readers of them."""
+    ck = rd / "out" / "checkpoint-4"
+    ck.mkdir(parents=True)
+    (ck / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    for name in ("model.safetensors", "rng_state_0.pth", "rng_state_1.pth"):
+        (ck / name).write_bytes(b"x")
+    keeper.write(rd, keeper.Keeper(keeper.TRAINER, rd / "out", 2))
 
 
 def _places(rd: Path) -> list[str]:
@@ -60,7 +72,7 @@ def _places(rd: Path) -> list[str]:
             str(ranks.path(rd, 0).relative_to(rd)), str(ranks.path(rd, 1).relative_to(rd)),
             str((step / "commit.json").relative_to(rd)), str(data.relative_to(rd)),
             str(step.relative_to(rd)), str(step.parent.relative_to(rd) / "step-3" / "commit.json"),
-            "../sweep.json"]
+            "../sweep.json", "keeper.json", "out/checkpoint-4/trainer_state.json", "out/checkpoint-4"]
 
 
 DAMAGE = st.one_of(CONTENT, st.sampled_from(SPECIAL + ("victim-link",)))
@@ -105,6 +117,7 @@ def test_every_reading_command_takes_a_fuzzed_run_directory(real_run, tmp_path_f
     shutil.copytree(real_run, sweep, symlinks=True)
     rd = sweep / "task-0"
     (sweep / "sweep.json").write_text((real_run / "sweep.json").read_text().replace(str(real_run), str(sweep)))
+    keeper.write(rd, keeper.Keeper(keeper.TRAINER, rd / "out", 2))
     outside = work / "outside"
     outside.mkdir()
     (outside / "victim").write_bytes(b"precious\n")

@@ -20,7 +20,7 @@ import hpc_train.login.jobs
 from hpc_train import config, config_local, goodput, logs, rundir
 from hpc_train.ckpt import compat, store, tiers
 from hpc_train.login import nodes
-from hpc_train.records import jobs, ranks, requeue, result, stop
+from hpc_train.records import jobs, keeper, ranks, requeue, result, stop
 
 def _commit(rd: Path) -> Path:
     return store.ckpt_root(rd) / "step-5" / "commit.json"
@@ -36,6 +36,15 @@ def _local_node(rd: Path) -> Path:
 
 def _local_commit(rd: Path) -> Path:
     return _local_node(rd) / "rank-0" / "step-3" / "commit.json"
+
+
+def _trainer_state(rd: Path) -> Path:
+    return rd / "out" / "checkpoint-5" / "trainer_state.json"
+
+
+def _read_trainer_checkpoints(rd: Path) -> object:
+    kept = keeper.Keeper(keeper.TRAINER, rd / "out", 2)
+    return keeper.trainer_checkpoints(kept), keeper.newest_complete(kept)
 
 
 def _read_metrics(rd: Path) -> object:
@@ -56,6 +65,8 @@ READERS: dict[str, tuple[Callable[[Path], Path], Callable[[Path], object]]] = {
                                                                goodput.summary_line(rd))),
     "commit.json": (_commit, lambda rd: (store.scan(rd), store.newest_complete(rd, warn=lambda m: None))),
     "metrics.jsonl": (_metrics, _read_metrics),
+    "keeper.json": (keeper.path, lambda rd: (keeper.read(rd), hpc_train.login.outcome.kept_point(rd))),
+    "a Trainer checkpoint's trainer_state.json": (_trainer_state, _read_trainer_checkpoints),
     "local item's commit.json": (_local_commit, lambda rd: tiers.local_items(rd, str(rd / "shm"), env={})),
     "rank error": (lambda rd: rundir.rank_error(rd, 1), lambda rd: (ranks.error_times(rd), ranks.error_line(rd, 1, 0))),
     # Read for one value by status, logs and a resume's comparison (config.load, which names each
