@@ -91,6 +91,11 @@ def _num(v: object) -> str:
     return f"{v:.4f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
+def _epoch(e: object) -> str:
+    """The last step's epoch, as status shows it: a Trainer's is a fraction (0.0877...)."""
+    return "" if e is None else f", epoch {e:.2f}" if isinstance(e, float) else f", epoch {e}"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from hpc_train.login import sweep_report
     from hpc_train.records import result
@@ -124,8 +129,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             unread.append(f"{rundir.METRICS} {tail.problem}")
         last = tail.last_step
         if last is not None:
-            e = last.get("epoch")
-            epoch = "" if e is None else f", epoch {e:.2f}" if isinstance(e, float) else f", epoch {e}"
+            epoch = _epoch(last.get("epoch"))
             t = last.get("time")
             ago = f" ({outcome.age(time.time() - t)} ago)" if running and isinstance(t, (int, float)) else ""
             print(f"  last step {last['step']}{epoch}, loss {_num(last['loss'])}{ago}")
