@@ -12,21 +12,18 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hpc_train import rundir
 from hpc_train.config import Config, JobSection
 from hpc_train.errors import EXIT_USAGE
 from hpc_train.login import nodes
 from hpc_train.login.decide import Budgets, Inputs, Nodes
+from hpc_train.records import keeper as keeper_rec
 from hpc_train.records import ranks as ranks_rec
 from hpc_train.records import requeue as requeue_rec
 from hpc_train.records import result as result_rec
 from hpc_train.records.ranks import StepId
 from hpc_train.records.requeue import Incarnation
-
-if TYPE_CHECKING:
-    from hpc_train.ckpt.store import CkptInfo
 
 BATCH_START_ENV = rundir.BATCH_START_ENV
 log = logging.getLogger("hpc_train")
@@ -101,7 +98,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
     # scontrol requeue ended the batch shell before the hook ran): one sacct says what they were.
     past, past_why = (nodes.past_runs(inc.target, inc.restart) if history.unrecorded(inc) and status != EXIT_USAGE
                       else ((), ""))
-    newest, own = _newest_checkpoint(run_dir, _int(env, BATCH_START_ENV))
+    newest_step, own = _newest_checkpoint(run_dir, _int(env, BATCH_START_ENV), script)
     began = [r.started for r in step_ranks.values() if r is not None and r.started is not None]
     since = min(began) if began else float(_int(env, BATCH_START_ENV))
     # The error files there are (one listing), not a stat of every rank's possible one.
@@ -114,9 +111,7 @@ def gather(run_dir: Path, status: int, env: Mapping[str, str], srun_tasks_per_no
         ranks=step_ranks, ranks_per_node=ranks_per_node,
         srun_tasks_per_node=srun_tasks_per_node, budgets=budgets(job), history=history, job_signal=job.signal,
         signal_lead=job.signal_lead, now=time.time(), nominal_end=view.nominal_end,
-        # No checkpoint: the built-in trainer and a loop on Run start from step 0; a script's step,
-        # without one of hpc_train's, is its own business (it keeps its own snapshots): unknown.
-        newest_step=newest.step if newest is not None else None if script else 0, own_checkpoint=own,
+        newest_step=newest_step, own_checkpoint=own,
         resume=env.get(rundir.RESUME_ENV, "latest"), first_step_nodes=first, nodes=node_view, errors=errors,
         past_runs=past, past_why=past_why, window_s=window_s, held_by=held_by,
         local_step=_local_step(run_dir, local, env) if asks and local is not None else None)
@@ -153,10 +148,25 @@ def _pending(run_dir: Path, inc: Incarnation, step: StepId, batch_start: int) ->
     return pending, ""
 
 
-def _newest_checkpoint(run_dir: Path, batch_start: int) -> tuple[CkptInfo | None, bool]:
-    """The newest complete checkpoint, and whether this job saved it (saved after its batch shell started)."""
+def _newest_checkpoint(run_dir: Path, batch_start: int, script: bool) -> tuple[int | None, bool]:
+    """The newest complete checkpoint's step, and whether this job saved it (saved after its
+    batch shell started). Without one of hpc_train's, the built-in trainer and a loop on Run start
+    from step 0; a script's step is its own business (unknown), unless its framework keeps the
+    run's checkpoints where hpc_train can see them (``keeper.json``: the Trainer's newest
+    complete ``checkpoint-N``, the step its rerun resumes from)."""
     from hpc_train.ckpt.store import newest_complete
     newest = newest_complete(run_dir)
-    saved_at = newest.record.get("time") if newest is not None else None
-    own = isinstance(saved_at, (int, float)) and batch_start > 0 and saved_at >= batch_start
-    return newest, own
+    if newest is not None:
+        saved_at = newest.record.get("time")
+        return newest.step, isinstance(saved_at, (int, float)) and batch_start > 0 and saved_at >= batch_start
+    if not script:
+        return 0, False
+    keeper, _problem = keeper_rec.read(run_dir)
+    kept = keeper_rec.newest_complete(keeper) if keeper is not None else None
+    if kept is None:
+        return None, False
+    try:
+        own = batch_start > 0 and (kept.path / "trainer_state.json").stat().st_mtime >= batch_start
+    except OSError:
+        own = False
+    return kept.step, own
