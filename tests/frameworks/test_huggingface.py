@@ -231,3 +231,30 @@ def test_accelerate_loop_on_run_stopped_and_resumed_is_bitwise(tmp_path):
     assert r.returncode == 0 and "resuming from step" in r.stderr, show(r)
     assert_same_weights(torch.load(tmp_path / "ref.pt", weights_only=True),
                         torch.load(tmp_path / "final.pt", weights_only=True))
+
+
+def test_plain_python_stop_exits_3_saves_at_its_step_and_resumes_bitwise(tmp_path):
+    """One process, no launcher: ``python jobs/hf_gpt2.py`` (its run directory runs/hf_gpt2)."""
+    def argv(d: Path, *extra: str) -> list[str]:
+        return [sys.executable, SCRIPT, "--output-dir", str(d / "out"), "--steps", "20", "--weights",
+                str(d / "final.pt"), *extra]
+    ref, d = tmp_path / "ref", tmp_path / "stopped"
+    ref.mkdir(), d.mkdir()
+    r = subprocess.run(argv(ref, "--pace", PACE), cwd=ref, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    p = subprocess.Popen(argv(d, "--pace", PACE), cwd=d, env=clean_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    rd = d / "runs" / "hf_gpt2"
+    deadline = time.monotonic() + 180
+    while not any(json.loads(x).get("step", 0) >= 10 for x in _lines(rd / "metrics.jsonl")):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-4000:]
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 3, err[-4000:]                         # a stop that saved: run.exit_code
+    step = json.loads((rd / "stopped.json").read_text())["steps"]
+    assert _checkpoints(d / "out") == [step] and "resume with:" in err, err[-3000:]
+    r = subprocess.run(argv(d, "--pace", PACE), cwd=d, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert f"resuming from the Trainer's {d / 'out'}/checkpoint-{step} (step {step})" in r.stderr
+    assert_same_weights(_weights(ref), _weights(d))
