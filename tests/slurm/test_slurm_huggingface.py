@@ -46,14 +46,16 @@ def _wait_for(what: str, done, timeout: float) -> None:
         time.sleep(0.3)
 
 
-def _preempted_once(slurm, tmp_path: Path, *extra: str) -> Path:
-    """Submit, preempt once past step 12, and wait for the requeued run to complete; the run
-    directory, after checking that the job was requeued exactly once, for the preemption."""
-    run_dir = tmp_path / "job"
-    r = slurm.cli("submit", "--script", SCRIPT, "--nodes", "2", "--partition", "low", "--time", "10",
-                  "--run-dir", run_dir, *_args(tmp_path, *extra))
+def _preempted_once(slurm, tmp_path: Path, *extra: str, how: str = "submit") -> Path:
+    """Submit (``submit --script``, or ``sbatch --script`` and Slurm's own sbatch), preempt once
+    past step 12, and wait for the requeued run to complete; the run directory, after checking
+    that the job was requeued exactly once, for the preemption."""
+    run_dir, out = tmp_path / "job", tmp_path / "job.sbatch"
+    r = slurm.cli(how, "--script", SCRIPT, "--nodes", "2", "--partition", "low", "--time", "10",
+                  "--run-dir", run_dir, *(("-o", out) if how == "sbatch" else ()), *_args(tmp_path, *extra))
     assert r.returncode == 0, r.stderr
-    job = re.search(r"submitted job (\d+)", r.stdout).group(1)
+    job = (re.search(r"submitted job (\d+)", r.stdout).group(1) if how == "submit" else
+           slurm.run("sbatch", "--parsable", out, check=True, cwd=tmp_path).stdout.strip().split(";")[0])
     slurm.wait_state(job, {"RUNNING"}, 120)
     _wait_for("run 1 never reached step 12", lambda: "\nstep 12\n" in _log(run_dir), 240)
     slurm.preempt_all()
@@ -74,9 +76,10 @@ def reference(tmp_path_factory, cluster):
     return torch.load(d / "final.pt", weights_only=True)
 
 
-def test_trainer_script_preempted_saves_at_its_step_requeues_once_and_is_bitwise(slurm, reference, tmp_path):
+@pytest.mark.parametrize("how", ["submit", "sbatch"])
+def test_trainer_script_preempted_saves_at_its_step_requeues_once_and_is_bitwise(slurm, reference, tmp_path, how):
     import torch
-    run_dir = _preempted_once(slurm, tmp_path)
+    run_dir = _preempted_once(slurm, tmp_path, how=how)
     log0 = _log(run_dir)
     stopped = re.search(r"stopped by (\w+) at step (\d+); transformers.Trainer saves its checkpoint", log0)
     assert stopped, log0[-4000:]
