@@ -1,5 +1,5 @@
 """Issue 51 on the real local cluster: jobs/hf_gpt2.py (a Hugging Face Trainer script) under
-`submit --script` on 2 nodes, preempted once by a `high` job.
+`submit --script` and `sbatch --script` on 2 nodes, preempted once by a `high` job.
 
 With hpc_train.huggingface's two lines the preemption's stop reaches both ranks at one step, the
 Trainer saves ``checkpoint-N`` there, the job is requeued once, and the rerun resumes from that
