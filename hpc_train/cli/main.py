@@ -229,8 +229,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(finished_line(run_dir, finished_result(run_dir) or {}, "`--resume none`"), file=sys.stderr)
             return 0
         from hpc_train.login import outcome
-        kept = (outcome.kept_point(run_dir, "resuming from")
-                if plan.source is None and cfg.train.script and args.resume == "latest" else None)
+        kept = outcome.kept_point(run_dir, "resuming from") if cfg.train.script and args.resume == "latest" else None
         print(f"hpc_train: run directory {run_dir} ({args.nproc} process{'es' if args.nproc > 1 else ''}); "
               f"{kept or plan.describe(_own_code(cfg))}", file=sys.stderr)
         return launch.launch(args.nproc, run_dir / rundir.CONFIG, run_dir, resume=plan.env_value(), port=port,

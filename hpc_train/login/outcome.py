@@ -198,6 +198,9 @@ def rerun(run_dir: Path, reports_steps: bool) -> str:
         return f"refused: {e}"
     if plan.finished:
         return f"refused: the run finished ({result.NAME}), so the same command does nothing; --resume none starts over"
+    kept = kept_point(run_dir)   # the Trainer's, whatever hpc_train kept before: its resume is the one that runs
+    if kept is not None:
+        return kept
     if plan.source is not None:
         saved = plan.source.record.get("time")
         old = f" (checkpoint {age(time.time() - saved)} old)" if isinstance(saved, (int, float)) else ""
@@ -205,9 +208,6 @@ def rerun(run_dir: Path, reports_steps: bool) -> str:
                                       f"checksums are checked as it loads, and a damaged one falls back to the "
                                       f"one before")
         return f"the same command resumes from step {plan.source.step}{old}{unread}"
-    kept = kept_point(run_dir)
-    if kept is not None:
-        return kept
     if cfg is None:
         return (f"no hpc_train checkpoint: a rerun starts from the start ({rundir.CONFIG} cannot be read, so "
                 f"whether the code keeps checkpoints of its own cannot be told)")
