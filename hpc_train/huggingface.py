@@ -65,12 +65,12 @@ def checkpoint_to_resume(args: Any) -> str | None:
     run = lifecycle.init()
     keeper = _keeper(args)
     _asked.add(keeper.directory)
+    if _starting_over(run):
+        return None
     saved, _problem = keeper_record.read(run.run_dir)
     if saved is not None and saved.directory == keeper.directory:
         keeper = saved   # judged for the world size that saved them (this run's may differ)
     spec = os.environ.get(rundir.RESUME_ENV, "latest")
-    if _starting_over(run):
-        return None
     if spec not in ("latest", "none"):
         named = Path(spec)
         if rundir.name_number(named.name, keeper_record.PREFIX) is not None and named.is_dir():
