@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from hpc_train import config_local, rundir
-from hpc_train.errors import says_peer_lost
+from hpc_train.errors import EXIT_STOPPED, says_peer_lost
 
 GRACE_S = 10.0   # after a failure, how long the surviving ranks get to exit before SIGKILL (they cannot save: a save needs every rank)
 HUNG_GRACE_S = 5.0   # after a rank stopped responding: the others wait on it in a collective, and cannot save
@@ -374,4 +374,7 @@ def _outcome(run_dir: Path, failed: tuple[int, int | None] | None, interrupts: i
             print("hpc_train: stopped before the code reached a step boundary (run.step_end), so hpc_train saved "
                   "nothing this time; run the same command to resume (from the last checkpoint, or from "
                   "whatever the code saved itself)", file=sys.stderr)
-    return 128 + (signum or signal.SIGTERM)
+    # One code for a stop on every path that can carry it (docs/faults.md): what a program on
+    # init() exits with, not 128 + the signal, which a shell reads as "killed" and a user's own
+    # code can also produce.
+    return EXIT_STOPPED

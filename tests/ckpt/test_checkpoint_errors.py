@@ -14,6 +14,7 @@ import pytest
 
 from helpers import (assert_same_weights, export, hpc, run, show, snapshot, steps, tb_scalar_steps,
                           train_losses, write_config)
+from hpc_train.errors import EXIT_STOPPED
 
 # Every test here starts real training processes: not in `make test-fast`.
 pytestmark = pytest.mark.procs
@@ -31,7 +32,7 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("base")
     cfg = write_config(d / "job.yaml", {"checkpoint": {"every_steps": 0}, "train": {"max_steps": 8}})
     p = run(cfg, d / "run", stop_at=3)
-    assert p.returncode == 143, show(p)
+    assert p.returncode == EXIT_STOPPED, show(p)
     assert steps(d / "run") == [3]
     return cfg, d / "run"
 
@@ -131,7 +132,7 @@ def test_truncated_newest_is_skipped_and_previous_loaded(tmp_path):
     cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 12}, "log": {"tensorboard": True}})
     rd = tmp_path / "run"
     first = run(cfg, rd, stop_at=12)
-    assert first.returncode == 143, show(first)
+    assert first.returncode == EXIT_STOPPED, show(first)
     assert steps(rd) == [12, 10]
     first_losses = train_losses(rd)
     at12 = export(rd, tmp_path / "first-12.pt", step=12)

@@ -15,6 +15,7 @@ import json
 import pytest
 
 from helpers import (assert_same_weights, export, run, show, steps, train_losses, write_config)
+from hpc_train.errors import EXIT_STOPPED
 
 # Every test here starts real training processes: not in `make test-fast`.
 pytestmark = pytest.mark.procs
@@ -70,7 +71,7 @@ def test_stop_and_resume_is_bitwise_exact(straight, tmp_path, config, stop_at, k
 
     first = run(cfg, rd, stop_at=stop_at)
     # SIGTERM to `run`: every rank finishes its step, saves, exits; the launcher says how to go on.
-    assert first.returncode == 128 + 15, show(first)
+    assert first.returncode == EXIT_STOPPED, show(first)
     assert f"checkpoint saved at step {k}; run the same command to resume" in first.stderr, show(first)
     assert json.loads((rd / "stopped.json").read_text())["steps"] == k
     assert steps(rd)[0] == k
@@ -125,10 +126,10 @@ def test_resume_at_another_world_size_continues_from_same_samples(tmp_path):
     cfg = write_config(tmp_path / "job.yaml", {"train": {"max_steps": 30}})
     rd = tmp_path / "run"
     first = run(cfg, rd, stop_at=5)
-    assert first.returncode == 143, show(first)
+    assert first.returncode == EXIT_STOPPED, show(first)
     saved = export(rd, tmp_path / "saved.pt", step=5)
     probe = run(cfg, rd, nproc=1, stop_at=1, sets=("optim.lr=0",))   # stops after its first step: 6
-    assert probe.returncode == 143, show(probe)
+    assert probe.returncode == EXIT_STOPPED, show(probe)
     assert "saved at world size 2, now 1: resharded" in probe.stderr, show(probe)
     assert steps(rd)[0] == 6
     assert_same_weights(export(rd, tmp_path / "resharded.pt", step=6), saved)

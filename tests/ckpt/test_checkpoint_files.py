@@ -22,6 +22,7 @@ import pytest
 from helpers import clean_env, hpc, run, show, snapshot, steps, write_config
 
 from hpc_train.ckpt import store
+from hpc_train.errors import EXIT_STOPPED
 
 # Every test here starts real training processes: not in `make test-fast`.
 pytestmark = pytest.mark.procs
@@ -33,7 +34,7 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("relckpt")
     cfg = write_config(d / "job.yaml", {"train": {"max_steps": 8}, "checkpoint": {"every_steps": 2, "keep": 3}})
     p = run(cfg, d / "run", stop_at=6)
-    assert p.returncode == 143, show(p)
+    assert p.returncode == EXIT_STOPPED, show(p)
     assert steps(d / "run") == [6, 4, 2]
     return cfg, d / "run", p
 

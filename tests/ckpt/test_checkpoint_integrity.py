@@ -16,7 +16,7 @@ from helpers import crc32c, hpc, intact, run, show, snapshot, steps, write_confi
 
 from hpc_train.ckpt import store
 from hpc_train.config import CheckpointSection
-from hpc_train.errors import CheckpointError
+from hpc_train.errors import CheckpointError, EXIT_STOPPED
 
 KEEP_SKIPPED = CheckpointSection().keep_skipped
 from hpc_train.cli.ckpt import verify_one
@@ -28,7 +28,7 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("integrity")
     cfg = write_config(d / "job.yaml", {"train": {"max_steps": 8}, "checkpoint": {"every_steps": 2, "keep": 3}})
     p = run(cfg, d / "run", stop_at=6)
-    assert p.returncode == 143, show(p)
+    assert p.returncode == EXIT_STOPPED, show(p)
     assert steps(d / "run") == [6, 4, 2]
     return cfg, d / "run"
 

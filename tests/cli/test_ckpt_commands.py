@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import export, hpc, load_full, plant, run, show, snapshot, steps, write_config
+from hpc_train.errors import EXIT_STOPPED
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     cfg = write_config(d / "job.yaml", {"train": {"max_steps": 10}, "checkpoint": {"every_steps": 2, "keep": 3}})
     p = run(cfg, d / "run", stop_at=6)
-    assert p.returncode == 143, show(p)
+    assert p.returncode == EXIT_STOPPED, show(p)
     assert steps(d / "run") == [6, 4, 2]
     return cfg, d / "run"
 

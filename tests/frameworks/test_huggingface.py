@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, assert_same_weights, children, clean_env, hpc, show, start
+from hpc_train.errors import EXIT_STOPPED
 
 pytest.importorskip("transformers")   # the test extra installs it; without it, these say so
 pytestmark = pytest.mark.procs       # real training processes: not in `make test-fast`
@@ -82,7 +83,7 @@ def test_run_script_stop_saves_the_trainer_checkpoint_at_its_step_and_resumes_bi
     _wait_for("step 12", tmp_path / "run" / "logs" / "rank-0.log", p)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 128 + signal.SIGTERM, err[-4000:]
+    assert p.returncode == EXIT_STOPPED, err[-4000:]
     stop = json.loads((tmp_path / "run" / "stopped.json").read_text())
     step = stop["steps"]
     assert 12 <= step < STEPS and stop["stop_signal"] == "TERM", stop
@@ -160,7 +161,7 @@ def test_kill9_of_one_rank_resumes_from_one_consistent_step_bitwise(straight, tm
     _wait_for("step 14", tmp_path / "run" / "logs" / "rank-0.log", p)
     os.kill(_script_pid(p.pid, 1), signal.SIGKILL)
     _, err = p.communicate(timeout=180)
-    assert p.returncode not in (0, 128 + signal.SIGTERM), err[-4000:]
+    assert p.returncode not in (0, EXIT_STOPPED), err[-4000:]
     assert "rank 1" in err, err[-3000:]                           # the culprit, not its victim
     assert _checkpoints(tmp_path / "out")[-1] == 10
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -226,7 +227,7 @@ def test_accelerate_loop_on_run_stopped_and_resumed_is_bitwise(tmp_path):
     _wait_for("step 10 loss", tmp_path / "run" / "logs" / "rank-0.log", p)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 128 + signal.SIGTERM and "checkpoint saved at step" in err, err[-3000:]
+    assert p.returncode == EXIT_STOPPED and "checkpoint saved at step" in err, err[-3000:]
     r = hpc(*cmd, timeout=300)
     assert r.returncode == 0 and "resuming from step" in r.stderr, show(r)
     assert_same_weights(torch.load(tmp_path / "ref.pt", weights_only=True),

@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 from helpers import REPO, assert_same_weights, hpc, show, start
+from hpc_train.errors import EXIT_STOPPED
 
 # Every test here starts real training processes: not in `make test-fast`.
 pytestmark = pytest.mark.procs
@@ -69,7 +70,7 @@ def test_stopped_at_an_epoch_end_saves_through_lightning_and_resumes_bitwise(str
     cmd = _cmd(tmp_path, "--pause-file", pause)
     ckpts, logs = tmp_path / "ld" / "checkpoints", tmp_path / "run" / "logs"
     p = _stop_once_logged(start(*cmd), logs / "rank-0.log", "epoch 0 ended at step 14")
-    assert p.returncode == 128 + signal.SIGTERM, show(p)
+    assert p.returncode == EXIT_STOPPED, show(p)
     for rank in (0, 1):     # Lightning's own handler got it on every rank
         assert "Received SIGTERM: 15" in (logs / f"rank-{rank}.log").read_text()
     saved = torch.load(ckpts / "on_exception.ckpt", weights_only=False)
@@ -107,7 +108,7 @@ def test_stop_together_stops_inside_an_epoch_without_hanging(tmp_path):
     signalled = time.monotonic()
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 128 + signal.SIGTERM, err[-4000:]
+    assert p.returncode == EXIT_STOPPED, err[-4000:]
     assert time.monotonic() - signalled < 60, err[-4000:]
     step = torch.load(ckpts / "on_exception.ckpt", weights_only=False)["global_step"]
     assert 28 < step < epochs * 14, step

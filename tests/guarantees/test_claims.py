@@ -22,6 +22,7 @@ from helpers import (REPO, assert_same_weights, children, clean_env, export, hpc
                           tb_scalar_steps, train_losses, write_config)
 
 from hpc_train.ckpt import store
+from hpc_train.errors import EXIT_STOPPED
 
 # Every test here starts real training processes: not in `make test-fast`.
 pytestmark = pytest.mark.procs
@@ -76,7 +77,7 @@ def test_agreement_hook_leaves_weights_bitwise_those_of_plain_ddp(tmp_path):
 def test_request_stop_from_code_stops_every_rank_at_that_step_with_a_checkpoint(tmp_path):
     rd = tmp_path / "run"
     p = _fn_run(tmp_path, rd, 1000, env={"HPC_TEST_REQUEST_STOP_AT": "1:5"})
-    assert p.returncode == 128 + signal.SIGTERM, show(p)          # unfinished, non-zero
+    assert p.returncode == EXIT_STOPPED, show(p)          # unfinished, non-zero
     assert "checkpoint saved at step 5; run the same command to resume" in p.stderr, show(p)
     rec = json.loads((rd / "stopped.json").read_text())
     assert rec["steps"] == 5 and rec["checkpoint"], rec
@@ -100,7 +101,7 @@ def test_watched_ddp_carries_the_agreement_with_no_collective_of_its_own(tmp_pat
     else:
         sets = ["dist.strategy=none"]
     p = _fn_run(tmp_path, rd, 1000, *sets, env=env)
-    assert p.returncode == 128 + signal.SIGTERM and "checkpoint saved at step 6" in p.stderr, show(p)
+    assert p.returncode == EXIT_STOPPED and "checkpoint saved at step 6" in p.stderr, show(p)
     for rank in (0, 1):
         counts = json.loads((rd / f"allreduce-rank{rank}.json").read_text())
         assert len(counts) == 6, counts
@@ -159,7 +160,7 @@ def test_stateful_dataloader_in_state_resumes_bitwise(tmp_path, loader, stops, h
     for stop_at in stops:
         p = go(rd, HPC_TEST_REQUEST_STOP_AT=f"0:{stop_at}")
         assert re.search(rf"checkpoint saved (by \w+ )?at step {stop_at}\b", p.stderr), show(p)
-        assert p.returncode == (128 + signal.SIGTERM if how == "run --fn" else p.returncode), show(p)
+        assert p.returncode == (EXIT_STOPPED if how == "run --fn" else p.returncode), show(p)
     p = go(rd)
     assert p.returncode == 0, show(p)
     assert (rd / "logs" / "rank-0.log").read_text().count("resumed from") == len(stops)
@@ -214,7 +215,7 @@ def test_a_stop_during_start_up_is_kept_and_saved_at_the_first_step(tmp_path):
     out, err = p.communicate(timeout=120)
     built = [json.loads((marks / f"built-rank{r}").read_text()) for r in (0, 1)]
     assert len(built) == 2 and all(b["stop_requested"] for b in built), built   # it came during start-up
-    assert p.returncode == 128 + signal.SIGTERM, err
+    assert p.returncode == EXIT_STOPPED, err
     assert "checkpoint saved at step 1; run the same command to resume" in err, err
     assert json.loads((rd / "stopped.json").read_text())["steps"] == 1
     assert _complete_steps(rd) == [1]

@@ -20,6 +20,7 @@ import pytest
 from helpers import REPO, children, clean_env, hpc, load_full, one_line_exit2, show, start, write_config
 
 from hpc_train.ckpt import store
+from hpc_train.errors import EXIT_STOPPED
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:
@@ -60,7 +61,7 @@ def test_busy_run_directory_is_refused_and_a_stale_lock_is_not(tmp_path):
     finally:
         first.send_signal(signal.SIGTERM)
         _, err = first.communicate(timeout=120)
-    assert first.returncode == 128 + signal.SIGTERM and "checkpoint saved at step" in err, err
+    assert first.returncode == EXIT_STOPPED and "checkpoint saved at step" in err, err
     # The holder is gone: its lock went with it, though the file still names it.
     assert json.loads((rd / ".lock").read_text())["pid"] == first.pid
     p = hpc("run", cfg, "--nproc", "2", "--run-dir", rd, "--set", "train.max_steps=1")
@@ -76,7 +77,7 @@ def test_sighup_stops_the_workers_like_ctrl_c(tmp_path):
     workers = children(p.pid)
     p.send_signal(signal.SIGHUP)                # the terminal closed
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 128 + signal.SIGHUP, err
+    assert p.returncode == EXIT_STOPPED, err
     k = json.loads((rd / "stopped.json").read_text())["steps"]
     assert f"checkpoint saved at step {k}; run the same command to resume" in err
     time.sleep(0.5)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from hpc_train.ckpt import store
+from hpc_train.errors import EXIT_STOPPED
 
 RESULT_KEYS = {"train_loss", "test_accuracy", "steps", "epochs", "wall_seconds", "world_size"}
 PLUGINS = "tests.plugins_for_tests"
@@ -141,7 +142,7 @@ def test_ctrl_c_saves_and_the_same_command_resumes(py, clean_env, run_dir, tmp_p
             if proc.poll() is None:
                 proc.kill()
     stderr = err.read_text()
-    assert code == 130, stderr
+    assert code == EXIT_STOPPED, stderr
     m = re.search(r"checkpoint saved at step (\d+); run the same command to resume", stderr)
     assert m, stderr
     step = int(m.group(1))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers import clean_env, hpc, one_line_exit2, show, start
+from hpc_train.errors import EXIT_STOPPED
 
 THREADS_LINE = "setting OMP_NUM_THREADS={n} for each rank (dist.threads_per_rank; tune it there, or set OMP_NUM_THREADS)"
 
@@ -185,7 +186,7 @@ def test_the_job_signal_reaches_an_unmodified_script_as_sigterm(tmp_path):
     """Rank 0's script knows nothing of SIGUSR2: it is not killed by it, and saves on the SIGTERM
     that follows. Rank 1's script handles SIGUSR2 itself: it still gets it, and the SIGTERM."""
     q, rd = _stop_with_the_job_signal(tmp_path, handles="1")
-    assert q.returncode == 128 + signal.SIGTERM, show(q)       # a stop, not a failure
+    assert q.returncode == EXIT_STOPPED, show(q)       # a stop, not a failure
     assert "killed by SIGUSR2" not in q.stderr, show(q)
     assert json.loads((tmp_path / "snap-0.json").read_text())["got"] == []
     assert json.loads((tmp_path / "snap-1.json").read_text())["got"] == ["SIGUSR2"]
@@ -200,7 +201,7 @@ def test_passthrough_leaves_the_job_signal_to_the_script(tmp_path):
     """`train.script_signal: passthrough`: the script starts with the signal's default action, so
     an unmodified one dies of it (the user asked for the scheduler's signal as it comes)."""
     q, rd = _stop_with_the_job_signal(tmp_path, "train.script_signal=passthrough")
-    assert q.returncode == 128 + signal.SIGTERM, show(q)
+    assert q.returncode == EXIT_STOPPED, show(q)
     assert not list(tmp_path.glob("snap-*.json"))
     for r in (0, 1):
         log = (rd / "logs" / f"rank-{r}.log").read_text()

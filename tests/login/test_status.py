@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, children, clean_env, hpc, metric_lines, show, start, write_config
+from hpc_train.errors import EXIT_STOPPED
 
 # Each chain of runs takes longer than a test should; its tests share it (module fixtures).
 pytestmark = [pytest.mark.slow, pytest.mark.procs]   # every test here reads a chain of real runs
@@ -146,7 +147,7 @@ def builtin(tmp_path_factory):
 
 def test_builtin_stopped_resumes_where_status_said(builtin):
     st, p, rerun = builtin["stopped"], builtin["stopped_run"], builtin["failed_run"]
-    assert p.returncode == 143, show(p)
+    assert p.returncode == EXIT_STOPPED, show(p)
     assert st["local run"] == "stopped at step 3 by SIGTERM, checkpoint committed", st["text"]
     assert st["rerun"].startswith("the same command resumes from step 3 ("), st["text"]
     assert resumed_from(rerun, 3), show(rerun)
@@ -275,7 +276,7 @@ def test_own_loop_running_shows_a_step_of_the_last_10_s(own_loop):
 
 def test_own_loop_stopped_resumes_where_status_said(own_loop):
     st, n, rerun = own_loop["stopped"], own_loop["stop_step"], own_loop["failed_run"]
-    assert own_loop["stopped_run"].returncode == 143, show(own_loop["stopped_run"])
+    assert own_loop["stopped_run"].returncode == EXIT_STOPPED, show(own_loop["stopped_run"])
     assert st["local run"] == f"stopped at step {n} by SIGTERM, checkpoint committed", st["text"]
     assert st["rerun"].startswith(f"the same command resumes from step {n} ("), st["text"]
     assert resumed_from(rerun, n) and log_has(own_loop["rd"], 0, f"resumed from step {n} "), show(rerun)
@@ -374,7 +375,7 @@ def _ran_from_its_start(p: subprocess.CompletedProcess, rd: Path) -> bool:
 def test_script_running_and_stopped_and_its_goodput_is_na(plain):
     assert plain["running"]["local run"].startswith("running: "), plain["running"]["text"]
     st = plain["stopped"]
-    assert plain["stopped_run"].returncode == 143, show(plain["stopped_run"])
+    assert plain["stopped_run"].returncode == EXIT_STOPPED, show(plain["stopped_run"])
     assert st["local run"].startswith("stopped by SIGTERM; hpc_train saved nothing"), st["text"]
     assert st["rerun"] == ("the same command runs the script again from its start; hpc_train holds no checkpoint "
                            "of it (it resumes from what it saved itself, if anything)"), st["text"]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 from helpers import (REPO, assert_same_weights, clean_env, export, hpc, show, start, steps, stop_when,
                           train_losses)
+from hpc_train.errors import EXIT_STOPPED
 
 CHARLM = str(REPO / "jobs" / "charlm.py")
 SNAPSHOT = str(REPO / "jobs" / "ddp_snapshot.py")
@@ -43,7 +43,7 @@ def test_own_loop_stopped_twice_resumes_bitwise(charlm_straight, tmp_path):
     stops = []
     for seen in (40, 120):   # stop somewhere after the first and the third checkpoint
         p = stop_when(start(*cmd), rd / "checkpoints" / f"step-{seen}")
-        assert p.returncode == 128 + signal.SIGTERM, show(p)
+        assert p.returncode == EXIT_STOPPED, show(p)
         k = json.loads((rd / "stopped.json").read_text())["steps"]
         assert f"checkpoint saved at step {k}; run the same command to resume" in p.stderr, show(p)
         assert not (rd / "result.json").exists()
@@ -78,7 +78,7 @@ def test_unaware_script_is_stopped_and_resumes_from_its_own_snapshot(tmp_path):
     cmd = ("run", "--script", SNAPSHOT, "--nproc", "2", "--run-dir", rd, "--", "--epochs", "6", "--epoch-sleep", "0.5",
            "--snapshot", snap)
     p = stop_when(start(*cmd), snap)
-    assert p.returncode == 128 + signal.SIGTERM, show(p)
+    assert p.returncode == EXIT_STOPPED, show(p)
     assert "saved nothing this time; run the same command to resume" in p.stderr, show(p)
     rec = json.loads((rd / "stopped.json").read_text())
     assert rec["checkpoint"] is False and rec["stop_signal"] == "TERM"
@@ -118,7 +118,7 @@ def _stop_fn_once_running(tmp_path, fn: str):
 @pytest.mark.procs
 def test_fn_that_ignores_run_is_ended_by_a_stop_and_not_marked_finished(tmp_path):
     rd, q = _stop_fn_once_running(tmp_path, "loop_forever")
-    assert q.returncode == 128 + signal.SIGTERM, show(q)
+    assert q.returncode == EXIT_STOPPED, show(q)
     assert not (rd / "result.json").exists()
     assert json.loads((rd / "stopped.json").read_text())["checkpoint"] is False
     assert "stopped by SIGTERM before the code called run.step_end" in (rd / "logs" / "rank-0.log").read_text()
@@ -135,7 +135,7 @@ def test_a_stop_that_ends_ranks_at_different_collectives_is_still_a_stop(tmp_pat
     ranks got the same SIGTERM, and the escalation's timer fires on each). Either is the stop;
     what must never happen is a failure or a hang."""
     rd, q = _stop_fn_once_running(tmp_path, "stuck_in_collective")
-    assert q.returncode == 128 + signal.SIGTERM, show(q)
+    assert q.returncode == EXIT_STOPPED, show(q)
     assert "failed" not in q.stderr and "Traceback" not in q.stderr, show(q)
     assert json.loads((rd / "stopped.json").read_text())["checkpoint"] is False
     assert "stopped by SIGTERM before the code called run.step_end" in (rd / "logs" / "rank-0.log").read_text()
@@ -152,7 +152,7 @@ def test_fn_gets_the_same_run_and_its_stop(tmp_path):
     p = stop_when(start("run", "--fn", f"{PLUGINS}:run_api_loop", "--nproc", "2", "--run-dir", rd,
                           "--set", "dist.timeout_s=77", "--set", "checkpoint.every_steps=5"),
                    rd / "checkpoints" / "step-5")
-    assert p.returncode == 128 + signal.SIGTERM, show(p)
+    assert p.returncode == EXIT_STOPPED, show(p)
     info = json.loads((rd / "fn-info-rank1.json").read_text())
     assert info == {"same_run": True, "world_size": 2, "rank": 1, "timeout_s": 77.0, "LOCAL_RANK": "1"}
     k = json.loads((rd / "stopped.json").read_text())["steps"]

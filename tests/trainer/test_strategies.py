@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (REPO, assert_same_weights, export, hpc, one_line_exit2, run, show, start, steps,
                           stop_when, train_losses, write_config)
+from hpc_train.errors import EXIT_STOPPED
 
 STOP_AT = 7            # mid-epoch: 512 samples / (16 x 2 ranks) = 16 steps per epoch
 TOTAL = 12             # BASE's train.max_steps
@@ -110,7 +110,7 @@ def stopped(tmp_path_factory, straight):
             cfg, _, _, _ = straight(strategy)
             rd = tmp_path_factory.mktemp(f"stopped-{strategy}") / "run"
             p = run(cfg, rd, stop_at=STOP_AT)
-            assert p.returncode == 128 + signal.SIGTERM, show(p)
+            assert p.returncode == EXIT_STOPPED, show(p)
             assert f"checkpoint saved at step {STOP_AT}; run the same command to resume" in p.stderr, show(p)
             assert steps(rd)[0] == STOP_AT
             cache[strategy] = rd
@@ -168,7 +168,7 @@ def test_own_loop_stop_and_resume_is_bitwise_exact(tmp_path, strategy):
     assert p.returncode == 0, show(p)
     rd = tmp_path / "run"
     first = stop_when(start(*_charlm(strategy, rd)), rd / "checkpoints" / "step-20", timeout=180)
-    assert first.returncode == 128 + signal.SIGTERM, show(first)
+    assert first.returncode == EXIT_STOPPED, show(first)
     k = json.loads((rd / "stopped.json").read_text())["steps"]
     assert 20 <= k < CHARLM_STEPS and steps(rd)[0] == k
     second = hpc(*_charlm(strategy, rd))
@@ -203,7 +203,7 @@ def test_fp16_checkpoint_restores_the_scaler(tmp_path):
     assert p.returncode == 0, show(p)
     rd = tmp_path / "run"
     first = run(cfg, rd, stop_at=STOP_AT)
-    assert first.returncode == 128 + signal.SIGTERM, show(first)
+    assert first.returncode == EXIT_STOPPED, show(first)
     saved = torch.load(rd / "checkpoints" / f"step-{STOP_AT}" / "app.pt", weights_only=True)["scaler"]
     assert saved["_growth_tracker"] > 0 and saved["scale"] > 0, saved   # a live scaler, not a default one
     second = run(cfg, rd)
