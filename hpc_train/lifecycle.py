@@ -329,3 +329,10 @@ def _at_exit(run: Run) -> None:
                       f"({'checkpoint saved' if run.config.checkpoint.enabled else 'nothing saved: checkpoints are off'}); "
                       f"resume with: {how_to_resume(run.env.source)}", file=sys.stderr)
             exit_now(run.exit_code)
+        elif run.finished and not failed and not run._session.policy.owns_group:
+            # The program's own process group (a Trainer's, accelerate's) outlives the Run, and a
+            # program that never destroys it leaves a live gloo group to the interpreter's
+            # teardown, which can abort the finished process (SIGABRT, "terminate called without
+            # an active exception"): a finished run looking crashed, and its launcher ending the
+            # other ranks. Only exit handlers registered before init() run after this one.
+            release_group()
