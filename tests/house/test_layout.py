@@ -391,6 +391,7 @@ OWN_READS = {
     ("rundir.py", "json.loads"): "the lock holder's line, text from read_text",
     ("records/io.py", "json.loads"): "the records' one JSON parser, text from read_text",
     ("ckpt/store.py", "json.loads"): "a checkpoint's commit.json, text from read_text",
+    ("records/keeper.py", "json.loads"): "a Trainer checkpoint's .safetensors header, length-bounded, from open_read",
     ("ckpt/store.py", "os.open"): "the commit's directory fsync",
     ("ckpt/store.py", "os.fdopen"): "the commit record's atomic write",
     ("ckpt/checksum.py", "os.open"): "a checkpoint file read for its CRC (O_NOFOLLOW, O_NONBLOCK, regular only)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+from helpers import safetensors_bytes, torch_archive_bytes
 from hpc_train.login import gather
 from hpc_train.records import keeper
 
@@ -16,8 +17,8 @@ def _trainer_run(tmp_path, step: int, mtime: float):
     ck = tmp_path / "out" / f"checkpoint-{step}"
     ck.mkdir(parents=True)
     (ck / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    (ck / "model.safetensors").write_bytes(b"w")
-    (ck / "rng_state.pth").write_bytes(b"r")
+    (ck / "model.safetensors").write_bytes(safetensors_bytes())
+    (ck / "rng_state.pth").write_bytes(torch_archive_bytes())
     os.utime(ck / "trainer_state.json", (mtime, mtime))
     (tmp_path / "run").mkdir()
     keeper.write(tmp_path / "run", keeper.Keeper(keeper.TRAINER, tmp_path / "out", 1))

@@ -23,7 +23,7 @@ from unittest import mock
 
 import pytest
 from damage import CONTENT, SPECIAL, make_special, within
-from helpers import run, show, write_config
+from helpers import run, safetensors_bytes, show, torch_archive_bytes, write_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,8 +57,9 @@ def _trainer_checkpoint(rd: Path) -> None:
     ck = rd / "out" / "checkpoint-4"
     ck.mkdir(parents=True)
     (ck / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
-    for name in ("model.safetensors", "rng_state_0.pth", "rng_state_1.pth"):
-        (ck / name).write_bytes(b"x")
+    (ck / "model.safetensors").write_bytes(safetensors_bytes())
+    for name in ("rng_state_0.pth", "rng_state_1.pth"):
+        (ck / name).write_bytes(torch_archive_bytes())
     keeper.write(rd, keeper.Keeper(keeper.TRAINER, rd / "out", 2))
 
 

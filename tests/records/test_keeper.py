@@ -10,11 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import safetensors_bytes, torch_archive_bytes
 from hpc_train.records import keeper
 from hpc_train.records.keeper import Keeper
 
 
-def _checkpoint(out: Path, step: int, *, state: object = "ok", weights: bool = True, ranks: int = 2) -> Path:
+def _checkpoint(out: Path, step: int, *, state: object = "ok", weights: bool = True, ranks: int = 2,
+                torn: str | None = None) -> Path:
+    """``torn``: the file a kill cut off (its bytes cut to ``TORN``'s length)."""
     ck = out / f"checkpoint-{step}"
     ck.mkdir(parents=True)
     if state == "ok":
@@ -22,10 +25,16 @@ def _checkpoint(out: Path, step: int, *, state: object = "ok", weights: bool = T
     elif state is not None:
         (ck / "trainer_state.json").write_bytes(state if isinstance(state, bytes) else json.dumps(state).encode())
     if weights:
-        (ck / "model.safetensors").write_bytes(b"w")
+        (ck / "model.safetensors").write_bytes(safetensors_bytes())
     for r in range(ranks):
-        (ck / ("rng_state.pth" if ranks == 1 else f"rng_state_{r}.pth")).write_bytes(b"r")
+        (ck / ("rng_state.pth" if ranks == 1 else f"rng_state_{r}.pth")).write_bytes(torch_archive_bytes())
+    if torn is not None:
+        whole = (ck / torn).read_bytes() if (ck / torn).exists() else torch_archive_bytes()
+        (ck / torn).write_bytes(whole[:TORN.get(torn, len(whole) // 2)])
     return ck
+
+
+TORN = {"empty.pt": 0}
 
 
 # (what the directory holds, the keeper's world size, the problem's words or None for complete)
@@ -41,6 +50,11 @@ CASES = [
     (dict(state=[5]), 2, "trainer_state.json holds a list"),
     (dict(weights=False), 2, "no model weights"),
     (dict(ranks=0), 2, "no rng_state_0.pth"),
+    # Present, but cut off by a kill while the Trainer wrote them in place.
+    (dict(torn="rng_state_1.pth"), 2, "rng_state_1.pth is cut off"),
+    (dict(torn="model.safetensors"), 2, "model.safetensors is cut off"),
+    (dict(torn="optimizer.pt"), 2, "optimizer.pt is cut off"),
+    (dict(torn="empty.pt"), 2, "empty.pt is cut off"),
 ]
 
 
@@ -101,3 +115,25 @@ def test_the_chosen_checkpoint_is_complete_and_no_complete_one_is_newer(tmp_path
     chosen = keeper.newest_complete(kept)
     complete = [s for s, kind in dirs.items() if kind == "complete"]
     assert (chosen.step if chosen else None) == (max(complete) if complete else None)
+
+
+def test_files_written_by_torch_and_safetensors_are_whole_and_any_cut_of_them_is_not(tmp_path):
+    """The real writers' formats: an RNG state as the Trainer saves it (torch.save) and weights
+    saved by safetensors; the whole file is complete, every shorter prefix of it is cut off."""
+    import torch
+    from safetensors.torch import save_file
+
+    _checkpoint(tmp_path / "out", 5)
+    ck = tmp_path / "out" / "checkpoint-5"
+    torch.save({"python": (3, (1, 2), None), "cpu": torch.get_rng_state()}, ck / "rng_state_1.pth")
+    save_file({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}, str(ck / "model.safetensors"))
+    kept = Keeper(keeper.TRAINER, tmp_path / "out", 2)
+    assert keeper.newest_complete(kept).step == 5
+    for name in ("rng_state_1.pth", "model.safetensors"):
+        whole = (ck / name).read_bytes()
+        for cut in sorted({0, 1, 7, 8, 100, len(whole) // 2, len(whole) - 22, len(whole) - 1}):
+            (ck / name).write_bytes(whole[:cut])
+            [k] = keeper.trainer_checkpoints(kept)
+            assert k.problem is not None and f"{name} is cut off" in k.problem, (name, cut, k.problem)
+        (ck / name).write_bytes(whole)
+    assert keeper.newest_complete(kept).step == 5
