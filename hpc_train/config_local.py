@@ -9,6 +9,7 @@ restarted in place that restores, the launcher and the batch script that remove 
     BASE/hpc_train-ID/RUN/NODE/rank-R/step-N/     a rank's own items (DCP files, app.pt, rank-R.pt, commit.json)
     BASE/hpc_train-ID/RUN/NODE/copies/rank-R/step-N/  a copy of rank R's item, R on the previous node (hpc_train.ckpt.local.peer)
     BASE/hpc_train-ID/RUN/NODE/.beats/rank-R          a ``--script`` supervisor's heartbeat (hpc_train.node.beats)
+    BASE/hpc_train-ID/.alive                          held (a shared flock) by each process that uses the directory
 
 * BASE: ``checkpoint.local_dir``, else ``$SLURM_TMPDIR``, else ``$TMPDIR``, else ``/dev/shm``.
 * ID: under ``run``, ``p<launcher pid>``, which the launcher hands its workers (and a
@@ -17,6 +18,8 @@ restarted in place that restores, the launcher and the batch script that remove 
   restarts, which are new job steps; an array task has a job id of its own); else ``p<parent
   pid>``: torchrun's agent, which outlives the workers it restarts, or a plain ``python
   train.py``'s shell.
+  A ``p<PID>`` directory whose process is gone and whose ``.alive`` no process holds is what a
+  run killed with -9 left: the next process to use the base removes it (:func:`sweep`).
 * RUN: ``run-`` and a digest of the run directory's real path: two runs of one job (two ``srun``
   steps of one allocation) or of one shell keep their items apart, and each removes only its own.
 * NODE: ``SLURMD_NODENAME``, else the host name. The local dev cluster's nodes share one disk,
@@ -25,12 +28,15 @@ restarted in place that restores, the launcher and the batch script that remove 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import shlex
+import shutil
 import socket
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -41,6 +47,7 @@ CLEANUP_STEP = "hpc_train-cleanup"   # the cleanup's job step name (sacct tells 
 DEFAULT_BASE = "/dev/shm"
 COPIES = "copies"   # a buddy's copies beside the node's own (hpc_train.ckpt.local.peer)
 BEATS = ".beats"    # a --script's supervisors' heartbeats, where every rank runs on this node (hpc_train.node.beats)
+ALIVE = ".alive"    # in BASE/hpc_train-ID: a shared flock held by each process that uses the directory (enter)
 
 
 class LocalTierConfig(Protocol):
@@ -142,12 +149,138 @@ def this_process(local_dir: str, run_dir: Path | str, launcher: str | None) -> P
 
 def remove_empty(node: Path) -> None:
     """The node's, the run's and the job's directories, each once left empty (another rank's,
-    another run's items keep theirs)."""
-    for d in reversed(made_dirs(node)):
+    another run's items keep theirs); the job's ``.alive`` goes when this process was its last
+    holder (:func:`enter`)."""
+    job = made_dirs(node)[0]
+    fd = _release(job)
+    try:
+        node.rmdir()
+        node.parent.rmdir()
+        if fd >= 0 and os.listdir(job) == [ALIVE]:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # raises while another process holds it
+            os.unlink(job / ALIVE)
+        job.rmdir()
+    except OSError:
+        pass   # not empty: what is left is another's
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+# What this process holds: job directory -> (its open .alive, how many users in this process).
+_held: dict[Path, tuple[int, int]] = {}
+_swept: set[Path] = set()
+
+
+def enter(node: Path, *more: Path) -> str | None:
+    """Make the node directory, its parents and ``more`` this user's (:func:`private_dirs`) and
+    hold the job directory for the rest of this process's use of it: a shared flock on its
+    ``.alive``, which the kernel releases when the process ends, however it ends. First, once per
+    base in this process, remove what runs that are gone left there (:func:`sweep`). Returns why a
+    directory is not this user's, else None; raises OSError when one cannot be made. Each enter
+    is paired with a :func:`remove_empty` of the same node, or with the process's end."""
+    base, job = base_of(node), made_dirs(node)[0]
+    if base not in _swept:
+        _swept.add(base)
+        sweep(base)
+    for _ in range(3):   # a sweep of a leftover with this ID (its pid reused) may remove it meanwhile
+        bad = private_dirs(*made_dirs(node), *more)
+        if bad or _hold(job):
+            return bad
+    raise OSError(errno.ENOENT, f"{job} was removed while this process made it")
+
+
+def _hold(job: Path) -> bool:
+    if job in _held:
+        fd, n = _held[job]
+        _held[job] = (fd, n + 1)
+        return True
+    try:
+        fd = os.open(job / ALIVE, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)   # a sweeper holds it alone only while it removes a leftover
+    except OSError:
+        pass   # a file system without flock: a sweep's flock fails there too, and it removes nothing
+    try:
+        same = os.fstat(fd).st_ino == os.lstat(job / ALIVE).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        return False
+    _held[job] = (fd, 1)
+    return True
+
+
+def _release(job: Path) -> int:
+    """One user of ``job`` in this process leaves: the open ``.alive`` to close when it was the
+    last (-1 while another user here still needs it, or when it was never held)."""
+    fd, n = _held.pop(job, (-1, 0))
+    if n > 1:
+        _held[job] = (fd, n - 1)
+        return -1
+    return fd
+
+
+def leftovers(entries: Iterable[tuple[str, bool, int]], uid: int, alive: Callable[[int], bool]) -> list[str]:
+    """Of a base's ``entries`` (name, a real directory, its owner), the names that may be what a
+    run that is gone left: ``hpc_train-p<PID>`` (an ID a ``run`` launcher, torchrun's agent or a
+    shell gave it), a directory of this user, its PID's process gone. A Slurm job's directory is
+    its batch script's to remove. Whether a process still uses one is the caller's second check
+    (its ``.alive``): a program can outlive the shell it was started from."""
+    out = []
+    for name, is_dir, owner in entries:
+        pid = name[len(PREFIX) + 1:] if name.startswith(PREFIX + "p") else ""
+        if is_dir and owner == uid and pid.isdigit() and pid.isascii() and 0 < int(pid) < 1 << 22 \
+                and not alive(int(pid)):
+            out.append(name)
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True   # another user's process (EPERM): alive
+    return True
+
+
+def sweep(base: Path) -> list[Path]:
+    """Remove from ``base`` what runs that are gone left (a ``run`` launcher killed with -9, a
+    program killed with its shell gone): each of :func:`leftovers` that no process holds (its
+    ``.alive`` taken alone here, held while it is removed; never through a symlink). Returns
+    what was removed; any names, bytes and file types in ``base`` are taken as they are."""
+    try:
+        with os.scandir(base) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False), e.stat(follow_symlinks=False).st_uid)
+                       for e in it if e.name.startswith(PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    for name in leftovers(entries, os.getuid(), pid_alive):
+        job = base / name
         try:
-            d.rmdir()
+            fd = os.open(job / ALIVE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            fd = -1   # written before .alive existed, or by a process killed as it made the directory
         except OSError:
-            break
+            continue
+        try:
+            if fd >= 0:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if real_dir(job) is None:
+                shutil.rmtree(job, ignore_errors=True)
+                removed.append(job)
+        except OSError:
+            pass   # held: a process still uses it
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    return removed
 
 
 def visible_bases(local_dir: str, env: Mapping[str, str]) -> list[Path]:

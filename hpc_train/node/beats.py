@@ -130,7 +130,7 @@ class NodeBeats(_Beater):
 
     def start(self):
         try:
-            bad = config_local.private_dirs(*config_local.made_dirs(self.dir.parent), self.dir)
+            bad = config_local.enter(self.dir.parent, self.dir)
         except OSError as e:
             bad = f"{self.dir} cannot be made ({e.strerror or type(e).__name__})"
         if bad:
@@ -170,8 +170,9 @@ class NodeBeats(_Beater):
             try:
                 self.dir.rmdir()
             except OSError:   # not empty (another rank beats there): kept
-                return
-            config_local.remove_empty(self.dir.parent)   # each left empty (a local tier's items keep theirs)
+                pass
+            # Each left empty (a local tier's items keep theirs), and this rank's hold let go.
+            config_local.remove_empty(self.dir.parent)
 
     def ages(self, rank_list: list[int], now: float | None = None) -> dict[int, float | None]:
         now = time.time() if now is None else now

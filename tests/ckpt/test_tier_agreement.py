@@ -23,6 +23,7 @@ and all must give the same (step, tier).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -33,7 +34,10 @@ import pytest
 from helpers import hpc, show
 from test_local_tier import KILL_AT, fake_nodes
 
-ID = "p4242"          # the tier ID the run's processes are handed (as a `run` launcher hands its own)
+# The tier ID the run's processes are handed, as a `run` launcher hands its own: a live process's
+# (this one's), as a launcher's is while its run lasts; a dead pid's directory is a leftover that
+# the next process to use the base removes (config_local.sweep).
+ID = f"p{os.getpid()}"
 
 
 def _loop(cwd: Path, shm: Path, kill_at: int, nodes: tuple[str, ...] = ("fakeA", "fakeB"),
@@ -107,7 +111,7 @@ def _damaged(work: Path) -> None:
 
 def _other_job(work: Path) -> None:
     """This run's items lie under another tier ID (another job's), and its own holds none."""
-    other = _tier(work, "p777")
+    other = _tier(work, f"p{os.getppid()}")   # a live process's: not a leftover
     other.parent.mkdir()
     _tier(work).rename(other)
 

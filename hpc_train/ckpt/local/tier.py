@@ -125,7 +125,7 @@ class LocalTier:
 
     def _setup(self) -> str | None:
         try:
-            bad = config_local.private_dirs(*config_local.made_dirs(self.node), self.dir)   # never through a symlink
+            bad = config_local.enter(self.node, self.dir)   # never through a symlink
             if bad:
                 return bad
             probe = self.dir / ".probe"
