@@ -32,6 +32,7 @@ The cluster is started (and stopped) here if it is not up; that needs root.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -105,16 +106,24 @@ def one(env, tmp: Path, variant: str, i: int) -> list[float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
+    ap.add_argument("--keep", metavar="DIR", help="put the runs' directories under DIR and keep them (logs, ledgers)")
     args = ap.parse_args()
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown or not chosen:
+        ap.error(f"--variants: unknown {unknown or args.variants!r}; valid: {', '.join(VARIANTS)}")
     reps = Reps()
-    with local_cluster() as env, tempfile.TemporaryDirectory() as tmp:
+    kept = contextlib.nullcontext(tempfile.mkdtemp(dir=args.keep)) if args.keep else tempfile.TemporaryDirectory()
+    with local_cluster() as env, kept as tmp:
         for i in range(1, args.reps + 1):
-            for variant in VARIANTS:
+            for variant in chosen:
                 got = reps.run(variant, i, lambda: one(env, Path(tmp), variant, i))
                 if got:   # as it goes: the whole run takes about a quarter of an hour
                     print(f"  rep {i}, {variant}: kill -> first step again {got[7]:.2f} s, "
                           f"steps redone {got[8]:.2f} s", flush=True)
-    rows = {v: reps.values(v) for v in VARIANTS}
+    rows = {v: reps.values(v) if v in chosen else [] for v in VARIANTS}
     print(f"\nkill -9 of rank 1 on 2 nodes, ~105 MB of state, a checkpoint every 10 steps; seconds, "
           f"median over the repetitions (in place: {reps.basis('in place')}; requeue: {reps.basis('requeue')}):")
     print(f"   {'phase':62s}" + "".join(f"{v:>12s}" for v in VARIANTS))
