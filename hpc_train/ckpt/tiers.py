@@ -203,10 +203,15 @@ def _checked(choice: Choice, held: Sequence[LocalItem], verify: Callable[[store.
     loaded: dict[int, LocalItem] = {}
     for i in sorted(held, key=lambda i: (i.copy, i.node)):
         loaded.setdefault(int(str(i.rank)), i)
-    for r, i in sorted(loaded.items()):
-        problem = verify(i.info)
+    from concurrent.futures import ThreadPoolExecutor
+    ranks = sorted(loaded)
+    # The items read side by side: reading and summing release the GIL, and the hook's
+    # decision waits on this before the restart starts.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(ranks), os.cpu_count() or 1))) as pool:
+        problems = list(pool.map(lambda r: verify(loaded[r].info), ranks))
+    for r, problem in zip(ranks, problems):
         if problem is not None:
-            return Choice(damaged=f"step {choice.step} of rank {r} ({i.info.path}): {problem}")
+            return Choice(damaged=f"step {choice.step} of rank {r} ({loaded[r].info.path}): {problem}")
     return choice
 
 
