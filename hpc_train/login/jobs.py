@@ -30,16 +30,29 @@ def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
         runs = sorted({p.parent for pattern in ("*/job.json", "*/config.yaml") for p in Path("runs").glob(pattern)})
         if not runs:
             raise UsageError("status: no runs under runs/; give a RUN_DIR or a JOB_ID")
-        return [(r, scheduler.job_ids(r)) for r in runs]
+        return [(r, _job_ids(r)) for r in runs]
     p = Path(target)
     if p.is_dir():
-        return [(p, scheduler.job_ids(p))]
+        return [(p, _job_ids(p))]
     if target.replace("_", "").isdigit():
         for rec in Path("runs").glob("*/job.json"):
             if target in scheduler.job_ids(rec.parent):
                 return [(rec.parent, [target])]
         return [(None, [target])]
     raise UsageError(f"{target!r} is neither a run directory nor a Slurm job id")
+
+
+def _job_ids(run_dir: Path) -> list[str]:
+    """The run's jobs: job.json's (``submit``), else the Slurm job its rank 0 last ran in, as its
+    record says (a rendered ``sbatch`` script, or the user's own ``srun``), so that such a run is
+    shown as the job it is, with the scheduler's state, not as a local run."""
+    ids = scheduler.job_ids(run_dir)
+    if ids:
+        return ids
+    from hpc_train.records import ranks
+    rec, _ = ranks.read(run_dir, 0)
+    job = rec.job if rec is not None else ""
+    return [job] if job.isdigit() and len(job) <= 12 else []
 
 
 def _budget_line(run_dir: Path, unread: list[str]) -> str:

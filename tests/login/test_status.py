@@ -418,3 +418,33 @@ def test_status_of_own_code_without_hpc_train_checkpoints_names_no_tier_restart(
         assert main(["status", str(rd)]) == 0
     out = capsys.readouterr().out
     assert "resumes from its own checkpoints" in out and "restarted in place" not in out, out
+
+
+def test_a_run_of_a_plain_sbatch_script_is_shown_as_its_slurm_job_not_a_local_run(tmp_path, capsys, monkeypatch):
+    """A run whose directory has no job.json (a rendered sbatch script, or the user's own srun)
+    was labelled "local run:" with a local rerun's advice; its rank 0's record names its job."""
+    from unittest import mock
+
+    from hpc_train import config, slurm
+    from hpc_train.cli.main import main
+    from hpc_train.records import ranks
+    rd = tmp_path / "run"
+    config.write(config.load(None, []), rd)
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    ranks.begin(rd, 0, 2)
+    asked: list[list[str]] = []
+
+    def squeue_fails(argv, *a, **k):
+        asked.append(list(argv))
+        return slurm.Reply(None, "squeue is not on PATH")
+    with mock.patch.object(slurm, "_call", side_effect=squeue_fails):
+        assert main(["status", str(rd)]) == 0
+    out = capsys.readouterr().out
+    assert "job 4711: unknown, the scheduler did not answer" in out and "local run" not in out, out
+    assert any("4711" in " ".join(map(str, argv)) for argv in asked), asked
+    # A local launch's record names no job: still a local run.
+    monkeypatch.delenv("SLURM_JOB_ID")
+    ranks.begin(rd, 0, 2)
+    with mock.patch.object(slurm, "_call", side_effect=squeue_fails):
+        assert main(["status", str(rd)]) == 0
+    assert "local run:" in capsys.readouterr().out
