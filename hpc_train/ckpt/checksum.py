@@ -51,7 +51,7 @@ def hexdigest(crc: int) -> str:
     return f"{crc:08x}"
 
 
-def sum_reads(read: Callable[[int, int], bytes], crc: int = 0, algorithm: str = CRC32C,
+def sum_reads(read: Callable[[int, int], bytes | memoryview], crc: int = 0, algorithm: str = CRC32C,
               length: int | None = None) -> tuple[int, int]:
     """The one read loop of every checksum read from a file: ``crc`` extended by what
     ``read(size, at)`` returns (``at``: the bytes summed so far), :data:`CHUNK` bytes at a time,
@@ -70,7 +70,7 @@ class NotRegular(OSError):
     """A checkpoint file that is not a regular file (symlink, FIFO, device, directory)."""
 
 
-def open_regular(path: Path) -> BinaryIO:
+def open_regular(path: Path) -> io.BufferedReader:
     """Open ``path`` for reading only if it is a regular file, never through a symlink.
     ``O_NONBLOCK``: opening a FIFO must not wait for a writer; regular files ignore it."""
     try:
