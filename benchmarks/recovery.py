@@ -69,7 +69,8 @@ PHASES = ["kill -> every task of the step exited (detection, step end)",
           "  -> checkpoint loaded",
           "  -> first step done",
           "kill -> first step again",
-          "steps redone (s)"]
+          "steps redone (s)",
+          "steps redone (count)"]
 
 
 def _rank1_pid(run_dir: Path) -> int:
@@ -100,7 +101,8 @@ def one(env, tmp: Path, variant: str, i: int) -> list[float]:
     m = after["marks"]
     return [before["exited"] - killed, decided - before["exited"], m["process"] - decided,
             m["group"] - m["process"], m["restore"] - m["group"], m["loaded"] - m["restore"],
-            after["first_step"] - m["loaded"], after["first_step"] - killed, float(before.get("redone_s") or 0.0)]
+            after["first_step"] - m["loaded"], after["first_step"] - killed, float(before.get("redone_s") or 0.0),
+            float(before.get("redone_steps") or 0)]
 
 
 def main() -> int:
@@ -122,7 +124,7 @@ def main() -> int:
                 got = reps.run(variant, i, lambda: one(env, Path(tmp), variant, i))
                 if got:   # as it goes: the whole run takes about a quarter of an hour
                     print(f"  rep {i}, {variant}: kill -> first step again {got[7]:.2f} s, "
-                          f"steps redone {got[8]:.2f} s", flush=True)
+                          f"steps redone {got[8]:.2f} s ({got[9]:.0f} steps)", flush=True)
     rows = {v: reps.values(v) if v in chosen else [] for v in VARIANTS}
     print(f"\nkill -9 of rank 1 on 2 nodes, ~105 MB of state, a checkpoint every 10 steps; seconds, "
           f"median over the repetitions (in place: {reps.basis('in place')}; requeue: {reps.basis('requeue')}):")
