@@ -240,13 +240,20 @@ def leftovers(entries: Iterable[tuple[str, bool, int]], uid: int, alive: Callabl
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: not when there is no such process, nor when it is a
+    zombie its parent has not reaped yet (it has exited: its files and locks are released).
+    Another user's process (EPERM) runs. The one answer for every "is that process gone"."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:
         return True   # another user's process (EPERM): alive
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def sweep(base: Path) -> list[Path]:

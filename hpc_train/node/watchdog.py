@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hpc_train import rundir, slurm
+from hpc_train import config_local, rundir, slurm
 from hpc_train.node import beats, liveness
 from hpc_train.records import ranks
 from hpc_train.records.ranks import StepId
@@ -105,7 +105,7 @@ def lost_peer(run_dir: Path, world_size: int, rank: int, error: str = "", wait_s
         recs = {r: h for r in range(world_size) if r != rank and (h := _of_this_launch(run_dir, r)) is not None
                 and not h.said_its_end}
         for r, h in recs.items():
-            if h.host == me and h.pid is not None and _gone(h.pid):
+            if h.host == me and h.pid is not None and not config_local.pid_alive(h.pid):
                 return f"rank {r} (pid {h.pid} on {h.node}) exited"
         there = sorted(r for r, h in recs.items() if h.host != me and h.addr and h.addr in addrs)
         if len(there) == 1:
@@ -126,21 +126,6 @@ def lost_peer(run_dir: Path, world_size: int, rank: int, error: str = "", wait_s
         if now >= deadline:
             return None
         time.sleep(0.1)
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited: no such process, or a zombie its parent has not reaped yet."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def lost_peer_line(error: str, run_dir: Path, world_size: int, rank: int) -> str:

@@ -151,3 +151,24 @@ def test_a_run_launcher_killed_with_9_leaves_node_memory_that_the_next_run_clear
                        cwd=root, capture_output=True, text=True, timeout=180)
     assert q.returncode == 0, q.stderr[-3000:]
     assert list(base.iterdir()) == [], list(base.rglob("*"))
+
+
+def test_a_process_is_alive_until_it_exits_even_unreaped():
+    """One answer to "is that process gone" (the sweep's, and the lost-peer search's): a zombie
+    whose parent has not reaped it has exited, and its directory is a leftover."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{dead.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.02)
+        assert config_local.pid_alive(live.pid) and config_local.pid_alive(os.getpid())
+        assert not config_local.pid_alive(dead.pid)      # exited, not yet reaped
+        name = f"{PREFIX}p{dead.pid}"
+        assert config_local.leftovers([(name, True, os.getuid())], os.getuid(), config_local.pid_alive) == [name]
+    finally:
+        live.kill()
+        live.wait()
+        dead.wait()
+    assert not config_local.pid_alive(dead.pid)
