@@ -392,6 +392,7 @@ OWN_READS = {
     ("records/io.py", "json.loads"): "the records' one JSON parser, text from read_text",
     ("ckpt/store.py", "json.loads"): "a checkpoint's commit.json, text from read_text",
     ("config_local.py", "os.open"): "a tier directory's .alive, opened to hold or take its flock (O_NOFOLLOW), never read",
+    ("config_local.py", "open"): "/proc/PID/stat: whether that process is a zombie (pid_alive)",
     ("records/keeper.py", "json.loads"): "a Trainer checkpoint's .safetensors header, length-bounded, from open_read",
     ("ckpt/store.py", "os.open"): "the commit's directory fsync",
     ("ckpt/store.py", "os.fdopen"): "the commit record's atomic write",
