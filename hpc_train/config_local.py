@@ -249,11 +249,17 @@ def pid_alive(pid: int) -> bool:
         return False
     except OSError:
         return True   # another user's process (EPERM): alive
+    return process_state(pid) != b"Z"
+
+
+def process_state(pid: int) -> bytes | None:
+    """The state letter of process ``pid`` in ``/proc/PID/stat`` (R, S, T, t, Z, ...), read after
+    the last ")" (the name may hold any bytes); None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            return f.read().rsplit(b")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return True
+        return None
 
 
 def sweep(base: Path) -> list[Path]:

@@ -232,11 +232,10 @@ def stopped(pid: int, settle_s: float = liveness.STOPPED_SETTLE_S) -> bool:
 
 def _stop_state(pid: int) -> tuple[bytes, bytes] | None:
     """(state, context switches so far) when the process is in a stopped state, else None."""
+    state = config_local.process_state(pid)
+    if state not in (b"T", b"t"):
+        return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        if state not in (b"T", b"t"):
-            return None
         with open(f"/proc/{pid}/status", "rb") as f:
             switches = b" ".join(line.split()[-1] for line in f if b"ctxt_switches:" in line)
         return state, switches

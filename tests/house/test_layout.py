@@ -392,7 +392,7 @@ OWN_READS = {
     ("records/io.py", "json.loads"): "the records' one JSON parser, text from read_text",
     ("ckpt/store.py", "json.loads"): "a checkpoint's commit.json, text from read_text",
     ("config_local.py", "os.open"): "a tier directory's .alive, opened to hold or take its flock (O_NOFOLLOW), never read",
-    ("config_local.py", "open"): "/proc/PID/stat: whether that process is a zombie (pid_alive)",
+    ("config_local.py", "open"): "/proc/PID/stat: a process's state letter (process_state: a zombie, a stopped rank)",
     ("records/keeper.py", "json.loads"): "a Trainer checkpoint's .safetensors header, length-bounded, from open_read",
     ("ckpt/store.py", "os.open"): "the commit's directory fsync",
     ("ckpt/store.py", "os.fdopen"): "the commit record's atomic write",
@@ -417,7 +417,7 @@ OWN_READS = {
     ("goodput.py", "read_text"): "/proc/self/stat and /proc/uptime",
     ("lifecycle.py", "read_bytes"): "/proc/PPID/cmdline",
     ("launch/joined.py", "open"): "/proc/PID/task/*/children and /proc/PID/net/*",
-    ("node/watchdog.py", "open"): "/proc/PID/stat and /proc/PID/status",
+    ("node/watchdog.py", "open"): "/proc/PID/status",
     ("node/watchdog.py", "read_text"): "/proc/self/cgroup and the cgroup's memory files",
 }
 _READ_ATTRS = {"read_text", "read_bytes", "safe_load", "fdopen"}
