@@ -102,7 +102,7 @@ def run_hand_written(steps: int, workdir: Path) -> list[float]:
 
 # -- hpc_train ------------------------------------------------------------------------------------
 def run_hpc_train(steps: int, workdir: Path, checkpoints: bool, tag: str, stragglers: bool = True,
-                  local: bool = False) -> list[float]:
+                  local: bool = False, keep: bool | None = None) -> list[float]:
     job = workdir / "bench.yaml"
     job.write_text("job:\n  name: overhead-bench\n")          # every other value: hpc_train's defaults
     run_dir = workdir / f"run-{tag}"
@@ -118,6 +118,8 @@ def run_hpc_train(steps: int, workdir: Path, checkpoints: bool, tag: str, stragg
     if local:   # issue 30: the node-local tier alone, every 10 steps (the shared tier only at the end)
         sets.update({"checkpoint.enabled": "true", "checkpoint.every_steps": 0, "checkpoint.every_seconds": 0,
                      "checkpoint.local_every_steps": 10, "checkpoint.local_every_seconds": 0})
+    if keep is not None:   # issue 52: the defaults' checkpoints (none falls in the run), keeping on or off
+        sets.update({"checkpoint.enabled": "true", "checkpoint.local_on_failure": str(keep).lower()})
     argv = [sys.executable, "-m", "hpc_train", "run", str(job), "--nproc", str(WORLD), "--run-dir", str(run_dir)]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
@@ -205,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 80; quick 40)")
     ap.add_argument("--warmup", type=int, default=None, help="steps excluded from the rate (default 10; quick 5)")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--only", help="comma-separated variants to run (hand is always run), of: hpc, hpc_local, "
+                                   "hpc_ckpt, hpc_nostrag, hpc_keep, hpc_nokeep")
     args = ap.parse_args(argv)
     steps = args.steps or (40 if args.quick else 80)
     warmup = args.warmup or (5 if args.quick else 10)
@@ -216,7 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"hand": "hand-written DDP loop", "hpc": "hpc_train, checkpoints off",
                 "hpc_local": "hpc_train, node-local tier every 10 steps",
                 "hpc_ckpt": "hpc_train, async checkpoint every 10 steps",
-                "hpc_nostrag": "hpc_train, checkpoints and stragglers off"}
+                "hpc_nostrag": "hpc_train, checkpoints and stragglers off",
+                # Issue 52: the defaults (shared every 10 min, local every 30 s: neither saves in
+                # the run), each rank's own state kept at its peer every step, then not; neighbours.
+                "hpc_keep": "hpc_train, defaults (keeping on)",
+                "hpc_nokeep": "hpc_train, defaults, local_on_failure off"}
+    if args.only:
+        keep = {"hand", *(k.strip() for k in args.only.split(","))}
+        unknown = keep - set(variants)
+        if unknown:
+            ap.error(f"--only: unknown {sorted(unknown)}; valid: {', '.join(variants)}")
+        variants = {k: v for k, v in variants.items() if k in keep}
     reps = Reps()
     print(f"ConvNet, synthetic 1x28x28, batch {BATCH}/rank x {WORLD} ranks (gloo, 1 thread/rank), Adam; "
           f"{steps} steps per run, rate over steps {warmup + 1}-{steps}; {args.reps} interleaved repetitions",
@@ -229,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             stamps = run_hand_written(steps, work)
         else:
             stamps = run_hpc_train(steps, work, checkpoints=key == "hpc_ckpt", tag=f"{key}-{rep}",
-                                   stragglers=key != "hpc_nostrag", local=key == "hpc_local")
+                                   stragglers=key != "hpc_nostrag", local=key == "hpc_local",
+                                   keep={"hpc_keep": True, "hpc_nokeep": False}.get(key))
         return steady_rate(stamps, warmup), typical_rate(stamps, warmup), within_run(stamps, warmup)
 
     with tempfile.TemporaryDirectory(prefix="hpc_train-bench-") as tmp:

@@ -12,6 +12,14 @@ process is killed with SIGKILL, for real. Four variants, interleaved rep by rep,
   every 200 (issue 30): the restart loads each rank's shard from its own node;
 * **+ standby**: the local tier's variant with ``job.standby=true``: the restart is handed to
   tasks started beside the first step, torch already imported (hpc_train.launch.standby).
+  (These four as before issue 52: ``checkpoint.local_on_failure=false``.)
+* **at failure**: the defaults (shared every 10 minutes, local every 30 s: neither saves before
+  the kill) with ``checkpoint.local_on_failure`` (issue 52): the survivor saves the step it holds
+  and rank 1's from the state it kept, and the restart loads that step;
+* **+ standby (af)**: the same with ``job.standby=true``;
+* **hang (af)**: the same, rank 1 frozen with SIGSTOP instead of killed, the hang watch's floor at
+  5 s (``dist.hang_floor_s``): the figure from the freeze to the first step includes the watch's
+  wait.
 
 Phases, from the run's own timestamps (the goodput ledger's segments and milestones, and
 ``requeue.json``; nothing in the loop is there for the benchmark): kill -> every task of the
@@ -53,11 +61,18 @@ from submit_latency import local_cluster  # noqa: E402
 LOCAL = sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__every_steps=200,
              checkpoint__local_every_steps=5)
 # The node-local tier is on by default (every 30 s): off in the first two, the shared tier alone.
+OLD = sets(checkpoint__local_on_failure=False)
+# Issue 52: the defaults' clocks (the shared tier every 10 minutes, the local one every 30 s).
+AT_FAILURE = sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__every_steps=0)
 VARIANTS = {"in place": sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__local_every_seconds=0),
             "requeue": sets(job__restarts_in_place=0, job__requeue_failure=100, checkpoint__local_every_seconds=0),
-            "local tier": LOCAL,
+            "local tier": LOCAL + OLD,
             # The same, with job.standby: the restart handed to tasks started beside the first step.
-            "+ standby": LOCAL + sets(job__standby=True)}
+            "+ standby": LOCAL + OLD + sets(job__standby=True),
+            "at failure": AT_FAILURE,
+            "+ standby (af)": AT_FAILURE + sets(job__standby=True),
+            "hang (af)": AT_FAILURE + sets(dist__hang_floor_s=5)}
+FROZEN = {"hang (af)"}   # rank 1 stopped (SIGSTOP), not killed
 HOUR_S = 3600.0
 SHARED_EVERY_S, LOCAL_EVERY_S = 600.0, 30.0   # the projection's clocks: checkpoint.every_seconds, the issue's local one
 PERIOD_S = 60.0
@@ -84,10 +99,12 @@ def one(env, tmp: Path, variant: str, i: int) -> list[float]:
     job = submit(env, run_dir, *sets(model__name="mlp", model__hidden=11000, train__max_steps=100000,
                                      train__log_every=1, checkpoint__every_steps=10), *VARIANTS[variant])
     # (a later --set wins: the local tier's variant puts the shared tier at every 200 steps)
+    pid = None
     try:
         _json(run_dir / "goodput.json", lambda r: r["segments"] and r["segments"][-1].get("first_step"), 600)
         wait_steps(run_dir, steps_done(run_dir) + 20, poll=0.1)
-        os.kill(_rank1_pid(run_dir), signal.SIGKILL)
+        pid = _rank1_pid(run_dir)
+        os.kill(pid, signal.SIGSTOP if variant in FROZEN else signal.SIGKILL)
         killed = time.time()
         # The hook's decision: its in-place record, or the failure it counted before scontrol requeue.
         rec = _json(run_dir / "requeue.json", lambda r: r.get("in_place") or r["counts"].get("failure"), 600)
@@ -95,6 +112,9 @@ def one(env, tmp: Path, variant: str, i: int) -> list[float]:
         ledger = _json(run_dir / "goodput.json", lambda r: len(r["segments"]) >= 2
                        and r["segments"][-1].get("first_step"), 600)
     finally:
+        if variant in FROZEN and pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
         subprocess.run(["scancel", job], env=env)
         wait_gone(env, job)
     before, after = ledger["segments"][-2], ledger["segments"][-1]
@@ -128,12 +148,13 @@ def main() -> int:
     rows = {v: reps.values(v) if v in chosen else [] for v in VARIANTS}
     print(f"\nkill -9 of rank 1 on 2 nodes, ~105 MB of state, a checkpoint every 10 steps; seconds, "
           f"median over the repetitions (in place: {reps.basis('in place')}; requeue: {reps.basis('requeue')}):")
-    print(f"   {'phase':62s}" + "".join(f"{v:>12s}" for v in VARIANTS))
+    shown = [v for v in VARIANTS if rows[v]]
+    print(f"   {'phase':62s}" + "".join(f"{v:>15s}" for v in shown))
 
     def med(v: str, j: int) -> str:
-        return f"{statistics.median(r[j] for r in rows[v]):12.2f}" if rows[v] else f"{'-':>12s}"
+        return f"{statistics.median(r[j] for r in rows[v]):15.2f}"
     for j, name in enumerate(PHASES):
-        print(f"   {name:62s}" + "".join(med(v, j) for v in VARIANTS))
+        print(f"   {name:62s}" + "".join(med(v, j) for v in shown))
     for v in VARIANTS:
         if rows[v]:
             print(f"   {v}: every rep, kill -> first step again: {[round(r[7], 2) for r in rows[v]]}")
@@ -157,7 +178,24 @@ def main() -> int:
             lost = statistics.median(r[7] for r in rows[v]) + every / 2
             print(f"   projected goodput, one failure an hour, {v} (a checkpoint every {every:.0f} s, half of it "
                   f"redone): {1 - lost / HOUR_S:.4f}" + (" (target >= 0.99)" if v != "in place" else ""))
+    _at_failure(rows)
     return reps.finish()
+
+
+def _at_failure(rows: dict[str, list[list[float]]]) -> None:
+    """Issue 52's figures: the steps redone and what a failure costs, measured (nothing projected
+    from an interval: the restart loads the step the survivors saved)."""
+    for v in ("at failure", "+ standby (af)", "hang (af)"):
+        if not rows[v]:
+            continue
+        redone = max(r[9] for r in rows[v])
+        lost = statistics.median(r[7] + r[8] for r in rows[v])
+        first = statistics.median(r[7] for r in rows[v])
+        target = {"at failure": 3.0, "+ standby (af)": 1.5}.get(v)
+        print(f"   {v}: steps redone per failure, most of any rep {redone:.0f} (target <= 1: "
+              f"{'met' if redone <= 1 else 'MISSED'}); kill -> first step again {first:.2f} s"
+              + (f" (target <= {target:.1f} s: {'met' if first <= target else 'MISSED'})" if target else "")
+              + f"; projected goodput, one failure an hour: {1 - lost / HOUR_S:.4f} (target >= 0.999)")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ restarted in place that restores, the launcher and the batch script that remove 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -36,6 +37,7 @@ import shlex
 import shutil
 import socket
 import stat
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -154,10 +156,11 @@ def remove_empty(node: Path) -> None:
     job = made_dirs(node)[0]
     fd = _release(job)
     try:
-        node.rmdir()
-        node.parent.rmdir()
+        for d in (node, node.parent):
+            with contextlib.suppress(FileNotFoundError):   # another rank of this node removed it first
+                d.rmdir()
         if fd >= 0 and os.listdir(job) == [ALIVE]:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # raises while another process holds it
+            _hold_alone(fd)   # raises while another process holds it
             os.unlink(job / ALIVE)
         job.rmdir()
     except OSError:
@@ -165,6 +168,21 @@ def remove_empty(node: Path) -> None:
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _hold_alone(fd: int, tries: int = 20) -> None:
+    """The job's ``.alive`` held by this process alone, or OSError. Another rank of this node
+    leaving at the same moment lets go of its hold within milliseconds (a failed attempt to hold
+    it alone drops its shared hold first: flock(2)), so a few tries apart; a process that still
+    uses the directory keeps its hold."""
+    for i in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if i == tries - 1:
+                raise
+            time.sleep(0.01)
 
 
 # What this process holds: job directory -> (its open .alive, how many users in this process).

@@ -84,3 +84,13 @@ PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pi
 def says_peer_lost(text: str) -> bool:
     low = text.lower()
     return any(s in low for s in PEER_LOST)
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL``, or ``signal 41`` for one without a name (a real-time signal: hpc_train's stack
+    dump is one, and a process that does not handle it dies of it)."""
+    import signal
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -245,7 +245,7 @@ def how_to_resume(source: str) -> str:
 
 
 def end(s: session_mod.Session, run: Run | None = None, *, failed: bool, finished: bool = False,
-        record_goodput: bool = False) -> None:
+        record_goodput: bool = False, error: BaseException | None = None) -> None:
     """The one teardown of a rank's life, on every path: the worker's trainer, code or supervised
     script, ``init()``'s exit, a refusal or a failure before any Run. As the entry point's policy
     says (:mod:`hpc_train.node.policy`), first what a late stop signal does: hpc_train's own
@@ -257,14 +257,15 @@ def end(s: session_mod.Session, run: Run | None = None, *, failed: bool, finishe
     signal handlers back), or with no Run the session's alone (``finished``: this run just
     finished; ``record_goodput``: a supervised script's segment). Idempotent. ``failed``: the
     work raised, so peers may sit in a collective of it (no shutdown barrier), and nothing of a
-    late signal changes."""
+    late signal changes. ``error``: what ended the work (a lost peer's first saves what this rank
+    holds: :meth:`hpc_train.run.Run.save_at_failure`)."""
     if s.policy.own_process:
         if not failed:
             s.stop.ignore_further()
     elif run is not None and run.finished:
         s.stop.leaving_finished()   # a late SIGTERM must not make a finished run's exit 143
     if run is not None:
-        run.close(failed=failed)
+        run.close(failed=failed, error=error)
     else:
         s.close(finished=finished, record_goodput=record_goodput)
 
@@ -321,7 +322,7 @@ def _at_exit(run: Run) -> None:
     those registered after it (the user's, usually) have run already, and logging is flushed here."""
     failed = hasattr(sys, "last_value")   # set when an uncaught exception ends the interpreter
     try:
-        end(run._session, run, failed=failed)
+        end(run._session, run, failed=failed, error=getattr(sys, "last_value", None))
     finally:
         if run.stopped and not failed:
             if run.is_main and run._session.policy.resume_hint:

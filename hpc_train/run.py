@@ -30,6 +30,7 @@ import logging
 import contextlib
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,7 +43,7 @@ from torch import nn
 from hpc_train import config_local, rundir
 from hpc_train.ckpt.state import kinds_of
 from hpc_train.config import Config
-from hpc_train.errors import EXIT_STOPPED, UsageError
+from hpc_train.errors import EXIT_STOPPED, UsageError, says_peer_lost
 from hpc_train.node import guard
 from hpc_train.node.environment import NodeEnv
 from hpc_train.node.session import Session
@@ -79,6 +80,11 @@ class Run:
         from hpc_train.node.report import Reporter
         self._report = Reporter(cfg.log, self.run_dir, self.is_main)
         self._local = None   # the node-local tier (hpc_train.ckpt.local.tier), once asked for
+        self._keeping = None   # each rank's own state kept at a peer every step (hpc_train.ckpt.local.keep)
+        self._no_keeping = ""   # why there is none, said at a failure
+        self._moved = False      # an optimizer stepped since the last step_end: its state is not that step's
+        self._hooked: set[int] = set()   # the optimizers whose steps set _moved
+        self._failing = threading.Event()   # the save at a failure began: no optimizer step from now on
         self._keeper: Keeper | None = None   # the user's framework keeps the checkpoints (kept_by)
         self._start_step = 0
         self._resumed_from: int | None = None   # see Checkpointer.resumed_from; None: no restore
@@ -94,8 +100,9 @@ class Run:
         self._prev_step: int | None = None   # the step the last step_end saw
         self._session = session   # the run directory's side of the lifecycle (hpc_train.node.session)
         self._closed = False
-        from hpc_train.node import hang
+        from hpc_train.node import hang, watchdog
         self._progress, self._watches = hang.watch(cfg.dist, session)
+        watchdog.before_ending(self.save_at_failure)
 
     # -- what the loop asks ----------------------------------------------------------------
     def long_phase(self, name: str = "evaluation") -> contextlib.AbstractContextManager:
@@ -205,7 +212,26 @@ class Run:
             from hpc_train.ckpt.local.tier import LocalTier
             self._local = LocalTier(self.config.checkpoint, self.config.dist, self.run_dir, self.rank, self.world_size,
                                     self.checkpoint_record, env=self.env)
+            self._keeping, self._no_keeping = self._keeping_for(self._local)
         return self._local
+
+    def _keeping_for(self, local):
+        """Each rank's own state kept at a peer (:mod:`hpc_train.ckpt.local.keep`), for the
+        survivors' save at a failure, or (None, why not). The same on every rank: config and the
+        job's shape only (the exchange is a collective)."""
+        ckpt, strategy = self.config.checkpoint, self.config.dist.strategy
+        if not self._multi:
+            return None, ""
+        if not ckpt.local_on_failure:
+            return None, "checkpoint.local_on_failure is off"
+        if strategy not in ("ddp", "allreduce", "dp"):
+            return None, (f"dist.strategy={strategy} " + ("keeps a different model on each rank" if strategy == "none"
+                          else "shards the state: each rank holds only its own part"))
+        if local.peers is None and self.env.num_nodes > 1:
+            return None, "the node-local tier's copies on a peer node are off (checkpoint.local_replicas=0)"
+        from hpc_train.ckpt.local.keep import Keeping
+        return Keeping(self.rank, self.world_size, local.peers.ring if local.peers else None,
+                       self.config.dist.timeout_s), ""
 
     def restore(self, state: dict[str, Any]) -> int:
         """Load the checkpoint chosen for this run into ``state`` in place (plain values are
@@ -273,6 +299,8 @@ class Run:
             ledger.step(step)
         self._shared_save(state, step, kinds, agreed)
         self._local_save(state, step, kinds, agreed)
+        if not agreed.stop:
+            self._keep(state, step, kinds)
         if agreed.stop:
             self._on_stop(step)
         self._straggler_report(step, agreed.stop)
@@ -329,6 +357,94 @@ class Run:
             self._report.checkpointed(step)
             local.save(state, step, kinds)
 
+    # -- a failure costs one step ------------------------------------------------------------
+    def _keep(self, state: Mapping[str, Any], step: int, kinds: dict[str, str]) -> None:
+        """After the agreement: this rank's own state of ``step``, to its keeper in the background;
+        from here, an optimizer step marks the modules and optimizers as no longer this step's."""
+        if self._keeping is None:
+            return
+        if self._failing.is_set():
+            self._hold()
+        from hpc_train.ckpt.local.keep import take
+        for k, kind in kinds.items():
+            if kind == "optimizer" and id(state[k]) not in self._hooked:
+                self._hooked.add(id(state[k]))
+                state[k].register_step_pre_hook(self._stepping)
+        if not self._hooked:
+            self._no_keeping, self._keeping = "no optimizer in state marks its steps", None
+            return
+        self._keeping.start()
+        self._keeping.after_step(state, kinds, step)
+        self._keeping.mine = take(state, kinds, self.rank, step)
+        self._moved = False
+
+    def _stepping(self, *_: Any) -> None:
+        """An optimizer's step pre-hook: the first of a step sends this rank's own state and waits
+        for the kept rank's (:meth:`hpc_train.ckpt.local.keep.Keeping.before_step`)."""
+        if self._failing.is_set():
+            self._hold()
+        if not self._moved and self._keeping is not None and self._last_state is not None \
+                and self._prev_step is not None:
+            self._keeping.before_step(self._last_state, self._kinds(self._last_state), self._prev_step + 1)
+        self._moved = True
+
+    @staticmethod
+    def _hold() -> None:
+        """The training thread, once a watcher's save at a failure began (the collective it
+        waited in may complete if the frozen peer is continued): no step from here; the watcher
+        ends the process."""
+        while True:
+            time.sleep(60)
+
+    def save_at_failure(self, why: str) -> None:
+        """A peer failed (``why``: what happened, in a few words): save the step this rank holds, and the step of the
+        rank whose own state it keeps, to the node-local tier, so that the restart redoes at most
+        the step in flight (see :meth:`hpc_train.ckpt.local.tier.LocalTier.save_at_failure`).
+        At most once, within ``keep.SAVE_LIMIT_S``; never raises: the failure is what the process
+        reports. Called by the one teardown (:meth:`close`) and by the watchers that end a hung step."""
+        if self._failing.is_set():
+            return
+        self._failing.set()
+        keeping, state = self._keeping, self._last_state
+        if not self._multi:
+            return
+        if keeping is None or keeping.mine is None or state is None or self._local is None:
+            not_kept = (self._no_keeping or ("the node-local tier is off" if self._local is None and self._keeper is None
+                        else "a framework keeps this run's checkpoints" if self._keeper is not None
+                        else "no step had ended"))
+            log.warning("nothing saved at the failure: %s; the restart loads the tiers' newest step", not_kept)
+            return
+        step = keeping.mine.step
+        if self._moved:
+            log.warning("nothing saved at the failure: rank %d stepped its optimizer after step %d, so it no longer "
+                        "holds that step; the restart loads the newest step saved for every rank", self.rank, step)
+            return
+        from hpc_train.ckpt.local.keep import SAVE_LIMIT_S
+        held, not_held = keeping.held(keeping.mine)
+        out: list[Any] = []
+        t0 = time.perf_counter()
+
+        def save() -> None:
+            try:
+                out.append(self._local.save_at_failure(state, self._kinds(state), keeping.mine, held))
+            except Exception as e:  # noqa: BLE001 - said below; the tiers still serve the restart
+                out.append(e)
+        t = threading.Thread(target=save, name="hpc_train-save-at-failure", daemon=True)
+        t.start()
+        t.join(SAVE_LIMIT_S)
+        if not out:
+            log.warning("the save at the failure (step %d) did not finish within %.0fs; the restart loads the "
+                        "newest step saved for every rank", step, SAVE_LIMIT_S)
+        elif isinstance(out[0], Exception):
+            from hpc_train.ckpt.common import why as why_line
+            log.warning("the save at the failure (step %d) failed: %s; the restart loads the newest step saved for "
+                        "every rank", step, why_line(out[0]))
+        else:
+            kept = f", and rank {keeping.source}'s from its state kept here" if held is not None else \
+                f" ({not_held})"
+            log.warning("%s: saved step %d to the node-local tier in %.2fs: rank %d's item%s",
+                        why, step, time.perf_counter() - t0, self.rank, kept)
+
     def _straggler_report(self, step: int, stopping: bool) -> None:
         spread = self._stragglers.left(step, self.device, None if stopping else self.stop)
         if spread is not None:
@@ -358,8 +474,10 @@ class Run:
             console = step % self.config.train.log_every == 0
         self._report.record(step, scalars, self.total_steps, self._start_step, epoch=epoch, console=console)
 
-    def _close(self) -> None:
+    def _close(self, failed: bool = False) -> None:
         """Wait for saves, close the reporters and the loaders' worker processes."""
+        if self._keeping is not None:   # after a failure its peer may never send again
+            self._keeping.close(wait=not failed)
         if self._ckpt is not None:
             self._ckpt.close()
         self._report.close()
@@ -371,19 +489,24 @@ class Run:
                     v.close()
             self._last_state = None
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, error: BaseException | None = None) -> None:
         """The one teardown, on every path: wait for saves, close the reporters and loaders,
         release the run directory (lock, heartbeat; a finished run keeps no stale stop record;
         in a user's program, the signal handlers found at ``init()`` given back) and the process
         group this Run's start-up made. Idempotent. ``failed``: the code raised, so peers may sit
         in a collective of it: no shutdown barrier. ``with hpc_train.init() as run:`` calls it;
-        so does the exit of any process that called ``init()``."""
+        so does the exit of any process that called ``init()``. ``error``: what ended the code;
+        a collective whose peer went away first saves what this rank holds (:meth:`save_at_failure`)."""
         if self._closed:
             return
         self._closed = True
         self._watches.stop()
+        from hpc_train.node import watchdog
+        watchdog.before_ending(None)
+        if failed and isinstance(error, RuntimeError) and says_peer_lost(str(error)):
+            self.save_at_failure("a peer left a collective")   # the error file names which, and how
         try:
-            self._close()
+            self._close(failed)
         except BaseException:   # noqa: BLE001 - after a failure, a pending save's error must not hide it
             if not failed:
                 raise
@@ -400,7 +523,7 @@ class Run:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        self.close(failed=exc_type is not None and not issubclass(exc_type, SystemExit))
+        self.close(failed=exc_type is not None and not issubclass(exc_type, SystemExit), error=exc)
 
     @property
     def exit_code(self) -> int:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from hpc_train import config_local, rundir
-from hpc_train.errors import EXIT_STOPPED, says_peer_lost
+from hpc_train.errors import EXIT_STOPPED, says_peer_lost, signal_name
 
 GRACE_S = 10.0   # after a failure, how long the surviving ranks get to exit before SIGKILL (they cannot save: a save needs every rank)
 HUNG_GRACE_S = 5.0   # after a rank stopped responding: the others wait on it in a collective, and cannot save
@@ -161,7 +161,7 @@ def _unrecorded(code: int | None) -> str:
         return ("it exited before its work ended (it neither returned from the training code nor stopped): "
                 "a rank that leaves early fails the run")
     if code is not None and code < 0:
-        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        name = signal_name(-code)
         if -code == signal.SIGKILL:
             return (f"killed by {name}, which the kernel's out-of-memory killer sends" +
                     (f": the memory limit in force is {limits}" if limits else " (or someone's kill -9)"))
@@ -345,7 +345,7 @@ def _outcome(run_dir: Path, failed: tuple[int, int | None] | None, interrupts: i
     if failed is not None and not interrupts:
         rank, code = failed
         how = "stopped responding" if code is None else \
-            f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            f"signal {signal_name(-code).removeprefix('signal ')}" if code < 0 else f"exit code {code}"
         print(f"hpc_train: worker rank {rank} failed ({how}): {_first_error(run_dir, rank, code)}\n"
               f"hpc_train: full log: {rundir.rank_log(run_dir, rank)}", file=sys.stderr)
         return 1

@@ -51,7 +51,7 @@ from hpc_train.node import beats as beats_mod
 from hpc_train.node.stops import StopRequest
 from hpc_train.records import result
 
-from hpc_train.errors import EXIT_STOPPED, ScriptFailed
+from hpc_train.errors import EXIT_STOPPED, ScriptFailed, signal_name
 
 log = logging.getLogger("hpc_train")
 TAIL_LINES = 15
@@ -365,4 +365,4 @@ def _all_finished(timeout_s: float, env: NodeEnv, rd: Path, stop: StopRequest, r
 
 
 def _how(code: int) -> str:
-    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"

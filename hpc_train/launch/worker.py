@@ -166,6 +166,7 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict) -> Any:
     session.register(s)   # the group is up: rank 0 was not refused
     run = lifecycle.start(s, device)
     clean = interrupted = False
+    error: BaseException | None = None
     try:
         out, interrupted = _run_code(s, run, device, target, args, kwargs)
         if stop.requested and not run.stopped and not run.finished:
@@ -175,12 +176,15 @@ def _run(s: session.Session, target, args: tuple, kwargs: dict) -> Any:
             run.finish(out if isinstance(out, dict) else {"result": out})
         clean = True
         return out
+    except BaseException as e:
+        error = e
+        raise
     finally:
         goodput.resume_gc()   # a no-op once start-up ended; after an early return or a failure, not left off
         try:
             # The work done, a stop signal now (the time limit's, a late preemption) must not
             # kill this process during teardown, where finish() gave the default handlers back.
-            lifecycle.end(s, run, failed=not clean or interrupted)
+            lifecycle.end(s, run, failed=not clean or interrupted, error=error)
         finally:
             lifecycle.forget()
 

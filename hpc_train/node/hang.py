@@ -172,6 +172,8 @@ class HangWatch:
             node, pid = watchdog.holder(self.run_dir, frozen[0])
             msg = (f"rank {frozen[0]} (pid {pid} on {node}) hung: no heartbeat for {frozen[1]:.0f}s while {waited}; "
                    f"its Python stack is in {rundir.rank_log(self.run_dir, frozen[0])}")
+            # Before the frozen peer is continued for its stack (its collective may then complete).
+            watchdog.save_before_ending(f"rank {frozen[0]} hung")
             if os.environ.get(rundir.LAUNCHER_ENV) != "local":   # the local launcher asks for it itself
                 self._ask_for_stack(node, pid)
         else:

@@ -38,6 +38,26 @@ DUMP_SIGNAL = signal.SIGRTMIN + 7
 _dump_file = None      # kept open: faulthandler writes to its file descriptor from a signal handler
 
 
+_before_ending: Callable[[str], None] | None = None   # the Run's save at a failure (Run.save_at_failure)
+
+
+def before_ending(save: Callable[[str], None] | None) -> None:
+    """What a watcher runs before it ends this process for a hung or lost peer (None: nothing)."""
+    global _before_ending
+    _before_ending = save
+
+
+def save_before_ending(why: str) -> None:
+    """A watcher is about to end this process (``why``: its line): the Run saves the step it
+    holds first (the training thread waits in the collective the peer left)."""
+    save = _before_ending
+    if save is not None:
+        try:
+            save(why)
+        except Exception as e:  # noqa: BLE001 - the process ends either way
+            log.warning("the save before ending the step failed: %s", e)
+
+
 def use_beats(reader: beats._Beater | None) -> None:
     """The heartbeat channel this process's peers beat on, for :func:`lost_peer` (None: no channel
     is read there; a Run's ranks no longer touch their records, so their mtimes say nothing)."""
@@ -265,6 +285,7 @@ def watch_slurm_job(run_dir: Path, world: int, timeout_s: float, job_step: str,
                 continue
             msg = describe(run_dir, *found)
             log.error("%s; ending the job step", msg)
+            save_before_ending(msg)
             rundir.write_atomic(rundir.rank_error(run_dir, 0), f"WatchdogError: {msg}\n")
             ask_step_for_stacks(job_step)
             time.sleep(3)

@@ -36,8 +36,13 @@ WRAPPER = f"""import sys
 sys.path.insert(0, {str(REPO / "tests" / "scripts")!r})
 import hpc_train
 import os
+# ON_FAILURE: the survivors' save at a failure (tests/ckpt/test_save_at_failure.py); off here,
+# where the subject is what the tier's own saves serve.
 hpc_train.init(overrides=["checkpoint.every_steps=" + os.environ.get("SHARED_EVERY", "4"), "checkpoint.every_seconds=0",
-                          "checkpoint.local_every_steps=3", "checkpoint.local_dir=" + sys.argv[3], "log.tensorboard=false"])
+                          "checkpoint.local_every_steps=" + os.environ.get("LOCAL_EVERY", "3"),
+                          "checkpoint.local_dir=" + sys.argv[3], "log.tensorboard=false",
+                          "checkpoint.local_on_failure=" + os.environ.get("ON_FAILURE", "false"),
+                          "dist.strategy=" + os.environ.get("STRATEGY", "ddp")])
 if os.environ.get("LOCAL_TIER_WHERE_BUILT"):
     # Where each rank's tier is built: whether DDP's communication hook is on the stack then.
     import traceback

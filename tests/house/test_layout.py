@@ -400,6 +400,7 @@ OWN_READS = {
     ("ckpt/checksum.py", "os.fdopen"): "the same file",
     ("ckpt/safe.py", "torch.load"): "weights_only=True: no arbitrary object is unpickled",
     ("ckpt/local/wire.py", "json.loads"): "a peer's manifest (wire.manifest: any bytes, one OSError)",
+    ("ckpt/local/keep.py", "torch.load"): "a peer's own state from the wire, in memory (weights_only; any bytes refused)",
     ("ckpt/local/wire.py", "os.open"): "a received item's files, written (O_EXCL, O_NOFOLLOW)",
     ("ckpt/local/flat.py", "os.open"): "a local item's files, written (O_NOFOLLOW)",
     ("ckpt/common.py", "open"): "a checkpoint file written",

@@ -467,3 +467,15 @@ def test_peeking_at_a_batch_takes_nothing_and_resume_stays_exact():
     next(iter(b))
     assert taken + [int(v) for (x,) in b for v in x] == reference[0]
     assert b.epoch == 1
+
+
+def test_a_signal_without_a_name_is_named_by_its_number():
+    """A --script's program killed by a real-time signal (hpc_train's stack dump through Slurm is
+    one, which a program that does not handle it dies of): its rank's line says "signal 41"; the
+    supervisor's conclusion raised ValueError there and the culprit's line was lost."""
+    import signal
+    from hpc_train.errors import signal_name
+    from hpc_train.launch.supervise import _how
+    rt = signal.SIGRTMIN + 7
+    assert _how(-rt) == f"was killed by signal {int(rt)}" and _how(-9) == "was killed by SIGKILL"
+    assert signal_name(15) == "SIGTERM"

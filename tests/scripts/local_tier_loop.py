@@ -9,9 +9,12 @@ place. With ``LOCAL_TIER_FLIP`` set, rank 1 first flips one bit of its newest lo
 ``LOCAL_TIER_LOSE_NODE``, rank 1 removes its node's whole local directory (a lost node's storage)
 and every rank is killed; with ``LOCAL_TIER_NO_RESTORE``, the loop never calls ``run.restore``;
 with ``LOCAL_TIER_FLIP_COPY``, rank 0 flips a bit in its copy of rank 1's newest item; with
-``LOCAL_TIER_KILL_RANK``, that rank is the one killed (default 1; a plain ``python`` run has rank 0 only); with
+``LOCAL_TIER_KILL_RANK``, those ranks (a comma-separated list) are the ones killed (default 1; a plain
+``python`` run has rank 0 only); with
 ``LOCAL_TIER_SLOW_WRITE`` (see tests/ckpt/test_local_tier.py), the loop does not wait for the
-local save in flight before the kill. Before
+local save in flight before the kill; with ``LOCAL_TIER_KILL_MID``, the rank is killed in the
+middle of the next step instead (after its forward, before its backward, as a crash mid-step: its
+peers wait in that step's gradient all-reduce), with nothing waited for. Before
 the kill, each rank writes the steps its node's local tier holds to ``RUN_DIR/local-steps-R.json``
 (and, with copies, the steps of the copies it holds to ``copies-R.json``); at the end, rank 0
 writes the model's weights to ``RUN_DIR/final.pt``.
@@ -22,6 +25,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 
 import torch
 
@@ -46,16 +50,21 @@ def main(steps: int, kill_at: int = 0) -> dict:
     # LOCAL_TIER_KILL_AT: kill at this step instead, the command (and so the config) unchanged.
     kill_at = int(os.environ.get("LOCAL_TIER_KILL_AT", kill_at))
     loss = torch.zeros(())
+    kill_ranks = {int(r) for r in os.environ.get("LOCAL_TIER_KILL_RANK", "1").split(",")}
+    mid = bool(os.environ.get("LOCAL_TIER_KILL_MID"))
     while state["step"] < steps:
         for x, y in loader:
             loss = torch.nn.functional.cross_entropy(model(x), y)
+            if mid and first and state["step"] == kill_at and run.rank in kill_ranks:
+                time.sleep(0.3)   # the step's forward took a while: its state of step KILL_AT has left
+                os.kill(os.getpid(), signal.SIGKILL)
             optim.zero_grad()
             loss.backward()
             optim.step()
             state["step"] += 1
             if run.step_end(state):
                 sys.exit(run.exit_code)
-            if first and state["step"] == kill_at:
+            if first and state["step"] == kill_at and not mid:
                 # Both tiers' saves in flight are on disk (what a crash a bit later finds): the
                 # shared step 4 is complete even on a loaded machine, where its writer thread
                 # (nice 10) may still be at work three steps later.
@@ -78,7 +87,7 @@ def main(steps: int, kill_at: int = 0) -> dict:
                         shutil.rmtree(run._local.node)
                     if os.environ.get("LOCAL_TIER_FLIP"):   # one bit of the newest item's tensor data
                         _flip(max((run._local.dir / f"step-{held[-1]}").glob("flat-*.bin"), key=lambda f: f.stat().st_size))
-                if run.rank == int(os.environ.get("LOCAL_TIER_KILL_RANK", "1")) or os.environ.get("LOCAL_TIER_LOSE_NODE"):
+                if run.rank in kill_ranks or os.environ.get("LOCAL_TIER_LOSE_NODE"):
                     # With two torchrun agents (tests/ckpt/test_peer_copies.py) every rank ends here, as
                     # srun's --kill-on-bad-exit ends every task of a step: each agent counts one failure,
                     # so both restart with the same TORCHELASTIC_RESTART_COUNT (an agent that restarts for
@@ -86,9 +95,11 @@ def main(steps: int, kill_at: int = 0) -> dict:
                     os.kill(os.getpid(), signal.SIGKILL)
             if state["step"] >= steps:
                 break
+    # Whole tensors (an FSDP run's shards gathered, on every rank), before finish.
+    final = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in net.state_dict().items()}
     out = run.finish({"loss": loss.item()})
     if run.rank == 0:
-        torch.save({k: v.clone() for k, v in net.state_dict().items()}, run.run_dir / "final.pt")
+        torch.save(final, run.run_dir / "final.pt")
     return out
 
 

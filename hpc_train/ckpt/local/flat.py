@@ -117,7 +117,10 @@ def reuse_spare(spare: Path, path: Path, keep: set[str]) -> None:
         try:
             os.rename(spare, path)
             for entry in os.scandir(path):
-                if entry.name not in keep or not entry.is_file(follow_symlinks=False):
+                # A file another item links to (a copy saved at a failure, tier.save_at_failure)
+                # is never written over: it is unlinked here, and written anew.
+                if entry.name not in keep or not entry.is_file(follow_symlinks=False) \
+                        or entry.stat(follow_symlinks=False).st_nlink > 1:
                     (shutil.rmtree if entry.is_dir(follow_symlinks=False) else os.unlink)(entry.path)
             return
         except OSError:

@@ -35,6 +35,7 @@ a node that holds a copy.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -54,6 +55,7 @@ from hpc_train.ckpt import store, tiers
 from hpc_train.ckpt.checksum import CRC32C
 from hpc_train.ckpt.common import APP_FILE, app_state, rank_file, rank_state, save_pt, why
 from hpc_train.ckpt.local import flat, peer
+from hpc_train.ckpt.local.keep import Kept, keeper_of
 from hpc_train.config import CheckpointSection, DistSection
 
 log = logging.getLogger("hpc_train")
@@ -233,7 +235,7 @@ class LocalTier:
             raise error
 
     def _write(self, staged: dict[str, torch.Tensor], small: tuple[Any, Any], path: Path, step: int,
-               kinds: dict[str, str], t0: float) -> None:
+               kinds: dict[str, str], t0: float, saved_at: str | None = None) -> None:
         if os.path.lexists(path):
             shutil.rmtree(path)   # a leftover of a save cut short, or of a future a restore went back from
         # Not niced as the shared tier's writer is: the next step's agreement waits for this
@@ -245,6 +247,7 @@ class LocalTier:
         store.write_commit(path, {**self.record, "step": step, "time": time.time(), "world_size": self.world,
                                   "rank": self.rank, "tier": TIER, "layout": flat.LAYOUT, "run_dir": str(self.run_dir),
                                   "torch": torch.__version__, "state": kinds,
+                                  **({"saved_at": saved_at} if saved_at else {}),
                                   "save_seconds": round(time.perf_counter() - t0, 4)},
                            sums={"algorithm": CRC32C, "files": own}, warn=log.warning, durable=False)
         self._prune(step)
@@ -280,6 +283,83 @@ class LocalTier:
                 shutil.rmtree(path, ignore_errors=True)
             self._turn_off(f"the save of step {step} in {path} failed ({why(e)})")
 
+    # -- at a failure --------------------------------------------------------------------------
+    def save_at_failure(self, state: Mapping[str, Any], kinds: dict[str, str], mine: Kept,
+                        held: Kept | None) -> list[int]:
+        """A peer failed while this rank holds the modules and optimizers of ``mine.step`` (its last
+        ``step_end``; the caller checked that no optimizer stepped since): this rank's item of that
+        step, made from them and its own state kept then (``mine``), unless a save of it is written
+        already; and, with ``held`` (the state of the rank this one keeps, :mod:`.keep`), that
+        rank's item of the same step as a copy beside it (``NODE/copies/rank-R/step-N``: the
+        modules' files linked, not copied), which its replacement loads. Returns the ranks saved;
+        raises OSError (a full directory) with nothing committed that was not whole."""
+        step = mine.step
+        if self.off is not None:
+            raise OSError(f"the local tier is off ({self.off})")
+        path = self.dir / f"step-{step}"
+        views = flat.views(state, kinds)
+        for k, bufs in (mine.buffers or {}).items():
+            views[k].update({n: b for n, b in bufs.items() if n in views[k]})
+        staged, skeleton, nbytes = flat.pack(views)
+        saved = []
+        if not self._written(path, step):
+            if not self._made:
+                self._made = True
+                self._turn_off(self._setup())
+            own = dict(mine.own, **{flat.KEY: skeleton})
+            self._write(staged, (own, mine.app), path, step, kinds, time.perf_counter(), saved_at="failure")
+            saved.append(self.rank)
+        if held is not None:
+            self._copy_at_failure(path, held, skeleton, kinds)
+            saved.append(held.rank)
+        return saved
+
+    def _written(self, path: Path, step: int) -> bool:
+        """This rank's item of ``step`` is committed: by the save begun at that step, given a few
+        seconds to finish its write (its copies' exchange with a dead peer may never end)."""
+        deadline = time.monotonic() + 3.0
+        while True:
+            info = store.inspect(path)
+            if info.complete or self.pending is None or self.pending[1] != step or self.pending[0].done():
+                return info.complete
+            if time.monotonic() > deadline:   # its writer still holds the directory
+                raise OSError(f"the save of step {step} begun before the failure did not finish its write")
+            time.sleep(0.01)
+
+    def _copy_at_failure(self, own_path: Path, held: Kept, skeleton: Any, kinds: dict[str, str]) -> None:
+        """``held.rank``'s item of ``held.step``: this rank's module and optimizer files (hard links:
+        the same bytes; a spare's files are reused only when no link shares them,
+        :func:`flat.reuse_spare`), that rank's own state and a commit record of its own."""
+        record = store.inspect(own_path).record
+        sums = dict(record.get("checksums", {}).get("files", {}))
+        parent = self.node / config_local.COPIES / f"rank-{held.rank}"
+        bad = config_local.private_dirs(self.node / config_local.COPIES, parent)
+        if bad:
+            raise OSError(bad)
+        path = parent / f"step-{held.step}"
+        if os.path.lexists(path):
+            shutil.rmtree(path)
+        path.mkdir(mode=0o700)
+        files = {}
+        for name in sums:
+            if name.startswith("flat-"):
+                try:
+                    os.link(own_path / name, path / name)
+                except OSError:
+                    shutil.copyfile(own_path / name, path / name, follow_symlinks=False)
+                files[name] = sums[name]
+        rank_pt = rank_file(path, held.rank)
+        files[rank_pt.name] = save_pt(dict(held.own, **{flat.KEY: skeleton}), rank_pt)
+        files[APP_FILE] = save_pt(held.app, path / APP_FILE)
+        store.write_commit(path, {**self.record, "step": held.step, "time": time.time(), "world_size": self.world,
+                                  "rank": held.rank, "tier": TIER, "layout": flat.LAYOUT,
+                                  "run_dir": str(self.run_dir), "torch": torch.__version__, "state": kinds,
+                                  "saved_at": "failure", "held_by": self.node.name, "copy_of": self.node.name},
+                           sums={"algorithm": CRC32C, "files": files}, warn=log.warning, durable=False)
+        for old in tiers.numbered(parent, "step-"):
+            if old[0] < held.step:
+                shutil.rmtree(old[1], ignore_errors=True)
+
     # -- restore -------------------------------------------------------------------------------
     def _items(self) -> list[store.CkptInfo]:
         if self.off is not None and not self.dir.is_dir():
@@ -300,7 +380,7 @@ class LocalTier:
         tier's newest (``shared_step``, -1: none). One all-gather; every rank decides the same.
         With copies, see :meth:`_choose_with_copies`."""
         self.wait()
-        if multi and self.peers is not None:
+        if multi:
             return self._choose_with_copies(shared_step, device)
         mine = [i.step for i in self.usable()][:_LISTED]
         table, world = [[(0, s) for s in mine]], 1   # one process: its own steps
@@ -316,6 +396,24 @@ class LocalTier:
         if best < 0:
             return None
         return next(i for i in self.usable() if i.step == best)
+
+    def _say_incomplete(self, table: list[list[tuple[int, int]]], restored: int) -> None:
+        """Rank 0: a newer step some ranks hold and others do not (a save at a failure that could
+        not be made for every rank: the dead rank's keeper died with it, a full directory), in one
+        line, with the step the restart goes back to."""
+        held: dict[int, set[int]] = {}
+        for pairs in table:
+            for r, s in pairs:
+                held.setdefault(s, set()).add(r)
+        newer = [s for s in held if s > restored]
+        if self.rank != 0 or not newer:
+            return
+        s = max(newer)
+        missing = sorted(set(range(self.world)) - held[s])
+        back = f"step {restored}" if restored >= 0 else "step 0 (nothing saved before)"
+        log.warning("local checkpoint tier: step %d is held for %s but not for rank%s %s; the restart loads %s",
+                    s, "rank " + ", ".join(map(str, sorted(held[s]))), "s" if len(missing) > 1 else "",
+                    ", ".join(map(str, missing)), back)
 
     def _say_unloaded(self, restored: int) -> None:
         """Rank 0, once at a restore: its own items of this run newer than the step restored
@@ -351,8 +449,13 @@ class LocalTier:
         table = [[(int(r), int(s)) for r, s in b.cpu().tolist() if r >= 0] for b in every]
         chosen = tiers.choose(table, self.world, shared_step)
         best, fetches = chosen.step, list(chosen.fetches)
+        self._say_unloaded(max(best, shared_step))
+        self._say_incomplete(table, max(best, shared_step))
         if best < 0:
             return None
+        if fetches and self.peers is None:   # ranks on nodes without copies: nothing can fetch
+            return store.CkptInfo(best, self.dir / f"step-{best}", False,
+                                  f"step {best} is not on every rank's node, and copies are off")
         problem, got = None, mine.get((self.rank, best))
         if fetches:
             if any(r == self.rank for r, _ in fetches) and not self._made and self.off is None:
@@ -376,6 +479,10 @@ class LocalTier:
         self._kept = None   # read again at the next save: the restore may have fetched an item here
         if self.peers is not None:
             self.peers.restored(step)
+        else:   # a copy saved at a failure on this node (keep.py's keeper is the next rank here)
+            for s, p in tiers.numbered(self._kept_copies(), "step-"):
+                if s > step:
+                    shutil.rmtree(p, ignore_errors=True)
         self.last_t, self.last_step = time.monotonic(), step
 
     # -- end -----------------------------------------------------------------------------------
@@ -388,7 +495,22 @@ class LocalTier:
             self._pool.shutdown()
             self._pool = None
         if remove:
+            if not self._made and os.path.isdir(self.node):
+                # A restart that loaded an item here and saved none since: this process holds
+                # the job's directory too, so that the last one out removes it (remove_empty).
+                self._made = True
+                with contextlib.suppress(OSError):
+                    config_local.enter(self.node)
             shutil.rmtree(self.dir, ignore_errors=True)
             if self.peers is not None:
                 self.peers.remove()
+            else:
+                shutil.rmtree(self._kept_copies(), ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    (self.node / config_local.COPIES).rmdir()
             config_local.remove_empty(self.node)
+
+    def _kept_copies(self) -> Path:
+        """Where this rank saves, at a failure, the item of the rank whose state it keeps."""
+        source = keeper_of(self.rank, self.world, self.peers.ring if self.peers is not None else None)[1]
+        return self.node / config_local.COPIES / f"rank-{source}"
