@@ -61,9 +61,10 @@ from submit_latency import local_cluster  # noqa: E402
 LOCAL = sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__every_steps=200,
              checkpoint__local_every_steps=5)
 # The node-local tier is on by default (every 30 s): off in the first two, the shared tier alone.
-OLD = sets(checkpoint__local_on_failure=False)
+OLD = sets(checkpoint__local_on_failure=False)   # the default: said, for when it changes
 # Issue 52: the defaults' clocks (the shared tier every 10 minutes, the local one every 30 s).
-AT_FAILURE = sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__every_steps=0)
+AT_FAILURE = sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__every_steps=0,
+                  checkpoint__local_on_failure=True)
 VARIANTS = {"in place": sets(job__restarts_in_place=100, job__requeue_failure=0, checkpoint__local_every_seconds=0),
             "requeue": sets(job__restarts_in_place=0, job__requeue_failure=100, checkpoint__local_every_seconds=0),
             "local tier": LOCAL + OLD,

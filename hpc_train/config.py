@@ -193,9 +193,10 @@ class CheckpointSection:
     local_keep: int = _f(2, min=1)
     local_replicas: int = _f(1, min=0, doc="local tier: copies on the next node(s); 0 = none; < job.nodes")
     # When a peer fails, each survivor saves the step it holds to the node-local tier, and the
-    # dead rank's item from its own state, which every rank sends to a peer after each step
-    # (docs/checkpoints.md): a crash, a hang or a lost node then redoes at most the step in flight.
-    local_on_failure: bool = _f(True, doc="node-local tier: the survivors save the step they hold when a peer fails")
+    # dead rank's item from its own state, which every rank sends to a peer at each step
+    # (docs/checkpoints.md): a crash or a hang then redoes at most the step in flight. Off by
+    # default: the per-step exchange costs a few percent of a short step (benchmarks/overhead.py).
+    local_on_failure: bool = _f(False, doc="node-local tier: the survivors save the step they hold when a peer fails")
 
 
 @dataclass

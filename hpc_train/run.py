@@ -375,7 +375,7 @@ class Run:
             return
         self._keeping.start()
         self._keeping.after_step(state, kinds, step)
-        self._keeping.mine = take(state, kinds, self.rank, step)
+        self._keeping.mine = take(state, kinds, self.rank, step, self._keeping.sent(step))
         self._moved = False
 
     def _stepping(self, *_: Any) -> None:

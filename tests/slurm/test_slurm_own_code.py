@@ -452,7 +452,8 @@ def test_a_crash_and_a_hang_each_cost_at_most_one_step_bitwise(slurm, local_refe
     once, SIGKILL, and the restart loads the tiers, as tests/slurm/test_preemption.py checks.)"""
     run_dir = tmp_path / "job"
     r = slurm.cli("submit", "--script", CHARLM, "--nodes", "2", *SETS, "--set", "checkpoint.every_steps=0",
-                  "--set", "job.spare_nodes=1", "--set", "dist.hang_floor_s=5", "--run-dir", run_dir,
+                  "--set", "job.spare_nodes=1", "--set", "dist.hang_floor_s=5", "--set",
+                  "checkpoint.local_on_failure=true", "--run-dir", run_dir,
                   "--", "--steps", str(STEPS))
     assert r.returncode == 0, r.stderr
     job = re.search(r"submitted job (\d+)", r.stdout).group(1)

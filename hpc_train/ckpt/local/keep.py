@@ -20,8 +20,9 @@ then is the step's end state in a loop that draws no random numbers and moves no
 its ``optimizer.step()`` and ``step_end`` (the usual order); :meth:`Keeping.after_step` checks
 that in the first steps and now and then, and a loop that does otherwise sends the state again
 from ``step_end`` (its keeper then trusts only those: a death between the two falls back).
-Pickled on the training thread and handed to gloo's own thread; a thread of this module
-receives, over a gloo group of its own. The values of ``state`` that are neither modules,
+Pickled on the training thread and handed to gloo's own thread, over a gloo group of its own;
+the receive for the next state is posted as soon as one arrives, and waited for by the same
+thread (a receiving Python thread would contend with training for the interpreter's lock). The values of ``state`` that are neither modules,
 optimizers nor per-rank objects (the step count, schedulers) are the keeper's own: the same on
 every rank.
 
@@ -36,7 +37,6 @@ from __future__ import annotations
 import copy
 import io
 import logging
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,8 +49,12 @@ from hpc_train.ckpt.common import app_state, plain_of, rank_state, why
 from hpc_train.ckpt.state import rng_state
 
 log = logging.getLogger("hpc_train")
-_HEADER = 3   # int64s before each state: its step, its length in bytes, its kind
-PRE, FIX, CLOSE = 0, 1, 2   # sent before the step's optimizer.step(), again from step_end, the end
+_HEADER = 24   # bytes before each state: its step, its length in bytes, its kind (three int64)
+PRE, FIX, CLOSE, GROW = 0, 1, 2, 3   # before the step's optimizer.step(), again from step_end, the end, a larger size
+# Every message is one buffer of this many bytes (or more, after a GROW): the receiver posts the
+# next receive as soon as one arrives, so a state goes out the moment it is sent, without a
+# handshake that would wait for the receiving thread to get the interpreter's lock.
+_SIZE = 64 << 10
 _CHECK_FIRST, _CHECK_EVERY = 8, 64   # after_step's checks: the first steps, then one in so many
 # How long a survivor's save at a failure may take before the process exits as it would without
 # it: it runs between the peer's death and the launcher's SIGKILL (srun's KillWait, 30 s by
@@ -69,15 +73,23 @@ class Kept:
     buffers: dict[str, dict[str, torch.Tensor]] | None = None   # the modules' buffers then (not sent)
 
 
-def take(state: Mapping[str, Any], kinds: dict[str, str], rank: int, step: int) -> Kept:
+def take(state: Mapping[str, Any], kinds: dict[str, str], rank: int, step: int,
+         part: dict[str, Any] | None = None) -> Kept:
     """This rank's own state now, on the training thread: the generators' states (fresh objects)
     and copies of the rest, which the loop may change in place from the next step on; and copies
     of the modules' buffers, which the next step's forward changes (BatchNorm's statistics)
-    before its first collective can fail."""
-    own = rank_state(state, kinds)
-    rng = own.pop("rng")
-    own, app = copy.deepcopy((own, app_state(state, kinds)))
-    own["rng"] = rng
+    before its first collective can fail. ``part``: the generators' and per-rank objects' states
+    this rank sent before the step's ``optimizer.step()`` (:func:`own_part`), the same (the loop's
+    order; :meth:`Keeping.after_step` checks it), not taken again."""
+    if part is None:
+        own = rank_state(state, kinds)
+        rng = own.pop("rng")
+        own, app = copy.deepcopy((own, app_state(state, kinds)))
+        own["rng"] = rng
+    else:
+        plain, app = copy.deepcopy(({k: state[k] for k, kind in kinds.items() if kind == "plain"},
+                                    app_state(state, kinds)))
+        own = {"rng": part["rng"], "objects": part["objects"], "plain": plain}
     buffers = {k: {n: b.detach().clone() for n, b in state[k].named_buffers()}
                for k, kind in kinds.items() if kind == "module"}
     return Kept(rank, step, own, app, {k: b for k, b in buffers.items() if b})
@@ -111,7 +123,7 @@ def _same(a: Any, b: Any) -> bool:
 class Keeping:
     """One rank's side: its newest own state (:class:`Kept`, for its own save at a failure), and
     the newest states received from the rank it keeps. The group is made at the first
-    :meth:`start`, at the first ``step_end`` on every rank (a collective)."""
+    :meth:`start`, at the first ``step_end`` on every rank (a collective). Training thread only."""
 
     def __init__(self, rank: int, world: int, ring: Any, timeout_s: float) -> None:
         self.rank = rank
@@ -123,50 +135,87 @@ class Keeping:
         self._source_fixes = False     # the source sent a state again from step_end: trust only those
         self._sent: tuple[int, dict[str, Any]] | None = None   # what this rank sent before its last step
         self._fixes = False
+        self._out_size = self._in_size = _SIZE
         self._pg: Any = None
         self._sends: list[Any] = []
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._recv: tuple[Any, torch.Tensor] | None = None   # the posted receive of the source's next state
+        self._source_ended = False
 
     def start(self) -> None:
-        """At every ``step_end``; the first makes the group and the receiving thread."""
+        """At every ``step_end``; the first makes the group and posts the first receive."""
         if self._pg is None and self.off is None:
             self._pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-            self._thread = threading.Thread(target=self._loop, name="hpc_train-keep", daemon=True)
-            self._thread.start()
+            self._post()
+
+    def _post(self) -> None:
+        msg = torch.empty(self._in_size, dtype=torch.uint8)
+        self._recv = (dist.irecv(msg, self.source, group=self._pg), msg)
+
+    def _take_one(self) -> None:
+        """Wait for the posted receive, keep what it brought, post the next (raises a peer's loss)."""
+        assert self._recv is not None
+        work, msg = self._recv
+        self._recv = None
+        work.wait()
+        step, n, kind = (int(v) for v in msg[:_HEADER].view(torch.int64).tolist())
+        if kind == CLOSE:
+            self._source_ended = True
+            return
+        if kind == GROW:
+            self._in_size = n
+        elif not 0 <= n <= self._in_size - _HEADER:
+            raise ValueError(f"rank {self.source} sent a state of {n} bytes in a message of {self._in_size}")
+        else:
+            self._source_fixes = self._source_fixes or kind == FIX
+            self._held[step] = (kind, msg[_HEADER:_HEADER + n].numpy().tobytes())
+            for old in sorted(self._held)[:-2]:
+                del self._held[old]
+        self._post()
 
     def _send(self, step: int, kind: int, part: Any) -> None:
+        """One message (after a GROW when the state outgrew the size): header and bytes in one buffer."""
         for s in self._sends:
             s.wait()
-        data = torch.empty(0, dtype=torch.uint8)
+        self._sends = []
+        buf = io.BytesIO(b"\0" * _HEADER)
+        buf.seek(_HEADER)
         if part is not None:
-            buf = io.BytesIO()
             torch.save(part, buf)
-            data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-        head = torch.tensor([step, data.numel(), kind], dtype=torch.int64)
-        self._sends = [dist.isend(head, self.keeper, group=self._pg)]
-        if data.numel():
-            self._sends.append(dist.isend(data, self.keeper, group=self._pg))
+        n = buf.tell() - _HEADER
+        if _HEADER + n > self._out_size:
+            size = max(2 * self._out_size, 1 << (_HEADER + n - 1).bit_length())
+            self._sends.append(dist.isend(self._message(step, size, GROW, b""), self.keeper, group=self._pg))
+            self._out_size = size
+        self._sends.append(dist.isend(self._message(step, n, kind, buf.getbuffer()[_HEADER:]), self.keeper,
+                                      group=self._pg))
+
+    def _message(self, step: int, n: int, kind: int, body: Any) -> torch.Tensor:
+        out = torch.zeros(self._out_size, dtype=torch.uint8)
+        out[:_HEADER] = torch.tensor([step, n, kind], dtype=torch.int64).view(torch.uint8)
+        if len(body):
+            out[_HEADER:_HEADER + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        return out
 
     def before_step(self, state: Mapping[str, Any], kinds: dict[str, str], step: int) -> None:
         """Before this rank's ``optimizer.step()`` of ``step``: send its state, then wait until the
         source's state of ``step`` is here. Raises the exchange's error (a peer gone: the failure
-        path then saves the step before, which every rank still holds)."""
+        path then saves the step before, which every rank still holds; a peer frozen: the hang
+        watch does, while this waits)."""
         if self._pg is None or self.off is not None:
             return
         part = own_part(state, kinds)
         try:
             self._send(step, PRE, part)
-        except Exception as e:  # noqa: BLE001 - a peer gone
-            self.off = f"the send of step {step} failed ({why(e)})"
+            self._sent = (step, part)
+            while max(self._held, default=-1) < step and not self._source_ended:
+                self._take_one()
+        except Exception as e:
+            self.off = f"the exchange of step {step} with rank {self.keeper} and {self.source} failed ({why(e)})"
             raise RuntimeError(self.off) from e
-        self._sent = (step, part)
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.off is not None or max(self._held, default=-1) >= step,
-                                       self.timeout_s):
-                raise RuntimeError(f"timed out waiting for rank {self.source}'s own state of step {step}")
-            if self.off is not None and max(self._held, default=-1) < step:
-                raise RuntimeError(self.off)
+
+    def sent(self, step: int) -> dict[str, Any] | None:
+        """What this rank sent before ``step``'s optimizer step, while the check below holds."""
+        return self._sent[1] if self._sent is not None and self._sent[0] == step and not self._fixes else None
 
     def after_step(self, state: Mapping[str, Any], kinds: dict[str, str], step: int) -> None:
         """At ``step_end``: in the first steps and now and then, check that the state sent before
@@ -188,39 +237,14 @@ class Keeping:
         except Exception as e:  # noqa: BLE001 - a peer gone: said where it fails
             self.off = f"the send of step {step} failed ({why(e)})"
 
-    def _loop(self) -> None:
-        """The receiving side: the source's states, until it says it ended."""
-        while True:
-            try:
-                head = torch.empty(_HEADER, dtype=torch.int64)
-                dist.irecv(head, self.source, group=self._pg).wait()
-                step, n, kind = (int(v) for v in head.tolist())
-                if kind == CLOSE:
-                    return
-                got = torch.empty(n, dtype=torch.uint8)
-                dist.irecv(got, self.source, group=self._pg).wait()
-            except Exception as e:  # noqa: BLE001 - a peer gone: the failure is the run's, said there
-                with self._cond:
-                    self.off = f"the exchange with rank {self.source} failed ({why(e)})"
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self._source_fixes = self._source_fixes or kind == FIX
-                self._held[step] = (kind, got.numpy().tobytes())
-                for old in sorted(self._held)[:-2]:
-                    del self._held[old]
-                self._cond.notify_all()
-
     def held(self, mine: Kept) -> tuple[Kept | None, str]:
         """The source's state at ``mine.step`` as received here, with this rank's values of the
-        rest (``mine``: its own, of the same step), or (None, why not)."""
+        rest (``mine``: its own, of the same step), or (None, why not). Any thread: it only reads."""
         step = mine.step
-        with self._cond:
-            got = self._held.get(step)
-            fixes = self._source_fixes
+        got = dict(self._held).get(step)
         if got is None:
             return None, f"rank {self.rank} holds no state of rank {self.source} for step {step}"
-        if fixes and got[0] != FIX:
+        if self._source_fixes and got[0] != FIX:
             return None, f"rank {self.source}'s state of step {step} was not sent again from its step_end"
         try:
             part = torch.load(io.BytesIO(got[1]), weights_only=True)
@@ -230,16 +254,17 @@ class Keeping:
         return Kept(self.source, step, own, mine.app), ""
 
     def close(self, wait: bool) -> None:
-        """End the exchange: after a finish or a stop (``wait``), saying so to the keeper and
-        waiting for the source's word; after a failure at once."""
-        if self._thread is None:
+        """End the exchange: after a finish or a stop (``wait``), saying so to the keeper and taking
+        in the source's last messages to its word; after a failure, nothing (its peer may be gone)."""
+        if self._pg is None or not wait or self.off is not None:
+            self.off = self.off or "closed"
             return
-        if wait and self.off is None:
-            try:
-                self._send(-1, CLOSE, None)
-                for s in self._sends:
-                    s.wait()
-            except Exception:  # noqa: BLE001 - a peer gone at the end: nothing left to keep
-                pass
-            self._thread.join(self.timeout_s)
-        self._thread = None
+        self.off = "closed"   # once: Run's close follows finish's
+        try:
+            self._send(-1, CLOSE, None)
+            for s in self._sends:
+                s.wait()
+            while not self._source_ended:
+                self._take_one()
+        except Exception:  # noqa: BLE001 - a peer gone at the end: nothing left to keep
+            pass
