@@ -273,6 +273,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:{width}s}  {cells}" + (f"{med[key]:10.1f}" if med[key] is not None else f"{'-':>10s}")
                   + f"{ratio(med[key], med['hand']):>8s}  {reps.basis(key)}")
     med = next(iter(medians.values()))
+    if "hpc_keep" in variants:
+        rk = ratio(med["hpc_keep"], med["hpc_nokeep"])
+        pairs = [a[0] / b[0] for r in range(1, args.reps + 1)
+                 if (a := reps.get("hpc_keep", r)) and (b := reps.get("hpc_nokeep", r))]
+        print(f"\nissue 52: each rank's own state kept at a peer every step, on / off (the defaults otherwise): "
+              f"{rk}; paired, rep by rep: {', '.join(f'{x:.3f}' for x in pairs)} (target >= 0.99: "
+              f"{'met' if rk != 'n/a' and float(rk) >= 0.99 else 'NOT met'})")
+    if "hpc" not in variants:
+        return reps.finish()
     r = ratio(med["hpc"], med["hand"])
     print(f"\nhpc_train / hand-written (median of steady-state samples/s, checkpoints off): {r} "
           + (f"(target >= 0.97: {'met' if float(r) >= 0.97 else 'NOT met'}); " if r != "n/a" else "")
