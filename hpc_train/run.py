@@ -223,7 +223,7 @@ class Run:
         if not self._multi:
             return None, ""
         if not ckpt.local_on_failure:
-            return None, "checkpoint.local_on_failure is off"
+            return None, ""
         if strategy not in ("ddp", "allreduce", "dp"):
             return None, (f"dist.strategy={strategy} " + ("keeps a different model on each rank" if strategy == "none"
                           else "shards the state: each rank holds only its own part"))
@@ -406,7 +406,7 @@ class Run:
             return
         self._failing.set()
         keeping, state = self._keeping, self._last_state
-        if not self._multi:
+        if not self._multi or not self.config.checkpoint.local_on_failure:
             return
         if keeping is None or keeping.mine is None or state is None or self._local is None:
             not_kept = (self._no_keeping or ("the node-local tier is off" if self._local is None and self._keeper is None
