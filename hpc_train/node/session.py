@@ -121,6 +121,8 @@ def begin(cfg: Config, run_dir: Path, policy: ExitPolicy) -> Session:
     if policy.own_process:
         _quiet_thread_os_errors()
         watchdog.enable_stack_dumps(rundir.rank_log(rd, env.rank))
+    else:
+        watchdog.stack_dumps_to_stderr()
     return Session(cfg, rd, env, stop, policy)
 
 

@@ -165,6 +165,18 @@ def enable_stack_dumps(log_path: Path) -> None:
     faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True, chain=False)
 
 
+def stack_dumps_to_stderr() -> None:
+    """A user's program on ``init()``: on :data:`DUMP_SIGNAL`, every thread's Python stack to its
+    own stderr. A hang's request for the stacks (the signal, through Slurm to every task of the
+    step) reaches the program too, and a real-time signal's default is to end the process: the
+    frozen rank died of it, its stack unwritten. Nothing in the run directory (a start that is
+    then refused writes nothing there)."""
+    try:
+        faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
+    except (ValueError, OSError, AttributeError, RuntimeError):   # no stderr with a descriptor (a notebook)
+        pass
+
+
 _PROCESS_START = time.time()
 
 

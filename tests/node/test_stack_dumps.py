@@ -43,3 +43,19 @@ def test_the_asking_rank_takes_no_dump_signal_after_it_asks(tmp_path):
     before, after = map(int, p.stdout.split())
     assert before >= 1, "the dump signal wrote no stack before the ask"
     assert after == before, "a dump signal after the ask still wrote a stack"
+
+
+def test_a_program_on_init_writes_its_stack_on_the_dump_signal_and_lives(tmp_path):
+    """A hang's stack request reaches every task of a Slurm step, a user's program on ``init()``
+    included: it writes its stacks to its stderr and goes on (it died of the signal before, a
+    real-time signal's default action, and the frozen rank's stack was never written)."""
+    child = ("import os, time, hpc_train\n"
+             "from hpc_train.node import watchdog\n"
+             f"run = hpc_train.init(run_dir={str(tmp_path / 'run')!r})\n"
+             "os.kill(os.getpid(), watchdog.DUMP_SIGNAL)\n"
+             "time.sleep(0.2)\n"
+             "print('alive')\n")
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == 0 and p.stdout.strip() == "alive", p.stderr[-2000:]
+    assert "most recent call first" in p.stderr, p.stderr[-2000:]
