@@ -475,8 +475,9 @@ def test_a_crash_and_a_hang_each_cost_at_most_one_step_bitwise(slurm, local_refe
     assert len(events) == 2, events
     log0 = (run_dir / "logs" / "rank-0.log").read_text()
     logs = log0 + (run_dir / "logs" / "rank-1.log").read_text()
-    saved = [int(s) for s in re.findall(r"\[rank 0\] .*: saved step (\d+) to the node-local tier in [0-9.]+s: rank "
-                                         r"0's item, and rank 1's from its state kept here", log0)]
+    # The log's own lines (^): a supervisor quotes its script's last lines, indented, when it fails.
+    saved = [int(s) for s in re.findall(r"^\[rank 0\] .*: saved step (\d+) to the node-local tier in [0-9.]+s: rank "
+                                         r"0's item, and rank 1's from its state kept here", log0, re.M)]
     assert len(saved) == 2 and "rank 1 hung: saved step" in log0, log0[-3000:]
     resumed = re.findall(r"\[rank (\d)\] .*resumed from step (\d+) \(\S+\), saved at world size 2 \((\w+) tier", logs)
     assert sorted(resumed) == sorted((r, str(s), "local") for r in "01" for s in saved), (resumed, saved)
