@@ -45,8 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_train.ckpt.common import app_state, plain_of, rank_state, why
-from hpc_train.ckpt.state import rng_state
+from hpc_train.ckpt.common import app_state, rank_state, why
 
 log = logging.getLogger("hpc_train")
 _HEADER = 24   # bytes before each state: its step, its length in bytes, its kind (three int64)
@@ -105,8 +104,8 @@ def keeper_of(rank: int, world: int, ring: Any) -> tuple[int, int]:
 
 def own_part(state: Mapping[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
     """What a rank sends: its generators' states and its per-rank objects' (copies)."""
-    return {"rng": rng_state(),
-            "objects": copy.deepcopy({k: plain_of(k, state[k]) for k, kind in kinds.items() if kind == "per_rank"})}
+    own = rank_state(state, kinds)
+    return {"rng": own["rng"], "objects": copy.deepcopy(own["objects"])}
 
 
 def _same(a: Any, b: Any) -> bool:

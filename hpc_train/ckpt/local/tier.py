@@ -61,7 +61,6 @@ from hpc_train.config import CheckpointSection, DistSection
 log = logging.getLogger("hpc_train")
 TIER = tiers.TIER   # the commit record's "tier"
 SPARE = "spare"     # a rank's pruned item, its files overwritten by the next save (flat.retire)
-_LISTED = 16   # steps per rank in the restore's all-gather (local_keep is small; the newest count)
 
 
 @dataclass
@@ -244,13 +243,16 @@ class LocalTier:
         flat.reuse_spare(self.dir / SPARE, path, {flat.file_name(name) for name in staged})
         own = {rank_file(path, self.rank).name: save_pt(small[0], rank_file(path, self.rank)),
                APP_FILE: save_pt(small[1], path / APP_FILE), **flat.write(path, staged)}
-        store.write_commit(path, {**self.record, "step": step, "time": time.time(), "world_size": self.world,
-                                  "rank": self.rank, "tier": TIER, "layout": flat.LAYOUT, "run_dir": str(self.run_dir),
-                                  "torch": torch.__version__, "state": kinds,
-                                  **({"saved_at": saved_at} if saved_at else {}),
-                                  "save_seconds": round(time.perf_counter() - t0, 4)},
+        store.write_commit(path, self._record(step, self.rank, kinds, **({"saved_at": saved_at} if saved_at else {}),
+                                              save_seconds=round(time.perf_counter() - t0, 4)),
                            sums={"algorithm": CRC32C, "files": own}, warn=log.warning, durable=False)
         self._prune(step)
+
+    def _record(self, step: int, rank: int, kinds: dict[str, str], **extra: Any) -> dict[str, Any]:
+        """The commit record of ``rank``'s item of ``step`` (this rank's own, or one it saves at a failure)."""
+        return {**self.record, "step": step, "time": time.time(), "world_size": self.world, "rank": rank,
+                "tier": TIER, "layout": flat.LAYOUT, "run_dir": str(self.run_dir), "torch": torch.__version__,
+                "state": kinds, **extra}
 
     def _prune(self, step: int) -> None:
         """Keep the newest ``local_keep`` complete items. What the directory holds is read once
@@ -351,10 +353,8 @@ class LocalTier:
         rank_pt = rank_file(path, held.rank)
         files[rank_pt.name] = save_pt(dict(held.own, **{flat.KEY: skeleton}), rank_pt)
         files[APP_FILE] = save_pt(held.app, path / APP_FILE)
-        store.write_commit(path, {**self.record, "step": held.step, "time": time.time(), "world_size": self.world,
-                                  "rank": held.rank, "tier": TIER, "layout": flat.LAYOUT,
-                                  "run_dir": str(self.run_dir), "torch": torch.__version__, "state": kinds,
-                                  "saved_at": "failure", "held_by": self.node.name, "copy_of": self.node.name},
+        store.write_commit(path, self._record(held.step, held.rank, kinds, saved_at="failure", held_by=self.node.name,
+                                              copy_of=self.node.name),
                            sums={"algorithm": CRC32C, "files": files}, warn=log.warning, durable=False)
         for old in tiers.numbered(parent, "step-"):
             if old[0] < held.step:
@@ -377,21 +377,12 @@ class LocalTier:
 
     def choose(self, shared_step: int, device: torch.device, multi: bool) -> store.CkptInfo | None:
         """The item to restore: the newest step every rank holds, if not older than the shared
-        tier's newest (``shared_step``, -1: none). One all-gather; every rank decides the same.
-        With copies, see :meth:`_choose_with_copies`."""
+        tier's newest (``shared_step``, -1: none). With more than one rank, see
+        :meth:`_choose_with_copies`; one process chooses among its own items."""
         self.wait()
         if multi:
             return self._choose_with_copies(shared_step, device)
-        mine = [i.step for i in self.usable()][:_LISTED]
-        table, world = [[(0, s) for s in mine]], 1   # one process: its own steps
-        if multi:
-            buf = torch.full((_LISTED,), -1, dtype=torch.int64, device=device)
-            if mine:
-                buf[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
-            every = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
-            dist.all_gather(every, buf)
-            table, world = [[(q, int(s)) for s in b.cpu().tolist() if s >= 0] for q, b in enumerate(every)], self.world
-        best = tiers.choose(table, world, shared_step).step
+        best = tiers.choose([[(0, i.step) for i in self.usable()]], 1, shared_step).step
         self._say_unloaded(max(best, shared_step))
         if best < 0:
             return None
@@ -430,8 +421,9 @@ class LocalTier:
 
     def _choose_with_copies(self, shared_step: int, device: torch.device) -> store.CkptInfo | None:
         """Every rank lists what its node holds, for any rank (after a lost node the ranks may sit
-        on other nodes than before); the newest step held for every rank wins, and a rank whose
-        node lacks its item receives it from a node that holds it (:meth:`peer.Peers.transfer`).
+        on other nodes than before; on one node, a copy saved at a failure); the newest step held
+        for every rank wins, and a rank whose node lacks its item receives it from a node that
+        holds it (:meth:`peer.Peers.transfer`; without copies, none can, and the load falls back).
         A fetch that fails returns an incomplete item: the caller's load then fails on that rank,
         and every rank falls back together, with one warning."""
         mine: dict[tuple[int, int], Path] = {}
