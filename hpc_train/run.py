@@ -32,7 +32,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -376,11 +376,21 @@ class Run:
         self._keeping.start()
         self._keeping.after_step(state, kinds, step)
         self._keeping.mine = take(state, kinds, self.rank, step, self._keeping.sent(step))
+        self._agreement.on_sync = self._syncing
         self._moved = False
 
+    def _syncing(self) -> None:
+        """Where the step's gradient averaging begins (the agreement's hook): this rank's own
+        state goes out before the all-reduce, so the kept rank's is here by the time the
+        optimizer step waits for it (:meth:`hpc_train.ckpt.local.keep.Keeping.send`)."""
+        if not self._moved and self._keeping is not None and self._last_state is not None \
+                and self._prev_step is not None:
+            self._keeping.send(self._last_state, self._kinds(self._last_state), self._prev_step + 1)
+
     def _stepping(self, *_: Any) -> None:
-        """An optimizer's step pre-hook: the first of a step sends this rank's own state and waits
-        for the kept rank's (:meth:`hpc_train.ckpt.local.keep.Keeping.before_step`)."""
+        """An optimizer's step pre-hook: the first of a step waits for the kept rank's state
+        (sending this rank's own first when no averaging hook did:
+        :meth:`hpc_train.ckpt.local.keep.Keeping.before_step`)."""
         if self._failing.is_set():
             self._hold()
         if not self._moved and self._keeping is not None and self._last_state is not None \
@@ -405,45 +415,40 @@ class Run:
         if self._failing.is_set():
             return
         self._failing.set()
-        keeping, state = self._keeping, self._last_state
         if not self._multi or not self.config.checkpoint.local_on_failure:
             return
-        if keeping is None or keeping.mine is None or state is None or self._local is None:
-            not_kept = (self._no_keeping or ("the node-local tier is off" if self._local is None and self._keeper is None
-                        else "a framework keeps this run's checkpoints" if self._keeper is not None
-                        else "no step had ended"))
-            log.warning("nothing saved at the failure: %s; the restart loads the tiers' newest step", not_kept)
+        keeping, state, local = self._keeping, self._last_state, self._local
+        if keeping is None or keeping.mine is None or state is None or local is None or self._moved:
+            log.warning("nothing saved at the failure: %s", self._not_saved())
             return
-        step = keeping.mine.step
-        if self._moved:
-            log.warning("nothing saved at the failure: rank %d stepped its optimizer after step %d, so it no longer "
-                        "holds that step; the restart loads the newest step saved for every rank", self.rank, step)
-            return
+        from hpc_train.ckpt.common import why as why_line
         from hpc_train.ckpt.local.keep import SAVE_LIMIT_S
-        held, not_held = keeping.held(keeping.mine)
-        out: list[Any] = []
+        step, mine = keeping.mine.step, keeping.mine
+        held, not_held = keeping.held(mine)
         t0 = time.perf_counter()
-
-        def save() -> None:
-            try:
-                out.append(self._local.save_at_failure(state, self._kinds(state), keeping.mine, held))
-            except Exception as e:  # noqa: BLE001 - said below; the tiers still serve the restart
-                out.append(e)
-        t = threading.Thread(target=save, name="hpc_train-save-at-failure", daemon=True)
-        t.start()
-        t.join(SAVE_LIMIT_S)
-        if not out:
+        done = _within(SAVE_LIMIT_S, lambda: local.save_at_failure(state, self._kinds(state), mine, held))
+        if done is None:
             log.warning("the save at the failure (step %d) did not finish within %.0fs; the restart loads the "
                         "newest step saved for every rank", step, SAVE_LIMIT_S)
-        elif isinstance(out[0], Exception):
-            from hpc_train.ckpt.common import why as why_line
+        elif isinstance(done, Exception):
             log.warning("the save at the failure (step %d) failed: %s; the restart loads the newest step saved for "
-                        "every rank", step, why_line(out[0]))
+                        "every rank", step, why_line(done))
         else:
             kept = f", and rank {keeping.source}'s from its state kept here" if held is not None else \
                 f" ({not_held})"
             log.warning("%s: saved step %d to the node-local tier in %.2fs: rank %d's item%s",
                         why, step, time.perf_counter() - t0, self.rank, kept)
+
+    def _not_saved(self) -> str:
+        """Why a failure's save has nothing to save: the line's reason, and what the restart loads."""
+        keeping = self._keeping
+        if keeping is None or keeping.mine is None or self._last_state is None or self._local is None:
+            not_kept = (self._no_keeping or ("the node-local tier is off" if self._local is None and self._keeper is None
+                        else "a framework keeps this run's checkpoints" if self._keeper is not None
+                        else "no step had ended"))
+            return f"{not_kept}; the restart loads the tiers' newest step"
+        return (f"rank {self.rank} stepped its optimizer after step {keeping.mine.step}, so it no longer holds that "
+                f"step; the restart loads the newest step saved for every rank")
 
     def _straggler_report(self, step: int, stopping: bool) -> None:
         spread = self._stragglers.left(step, self.device, None if stopping else self.stop)
@@ -563,3 +568,19 @@ class Run:
         self.finished, self._result = True, out
         self.stop.finished()   # a later signal is no stop; the program's handlers are back
         return out
+
+
+def _within(limit_s: float, call: Callable[[], Any]) -> Any:
+    """``call()`` on a daemon thread, waited for at most ``limit_s``: what it returned, the
+    exception it raised, or None when it had not finished (the process's exit ends it)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as e:  # noqa: BLE001 - handed to the caller, which says it
+            out.append(e)
+    thread = threading.Thread(target=run, name="hpc_train-save-at-failure", daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    return out[0] if out else None

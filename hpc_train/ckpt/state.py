@@ -107,7 +107,7 @@ def rng_state() -> dict[str, Any]:
     out: dict[str, Any] = {
         # The Mersenne Twister's 625 words as one tensor: as a list, each is an object the
         # rank file's pickler visits (a few hundred microseconds of every save's writer).
-        "python": [py[0], torch.tensor(py[1], dtype=torch.int64), py[2]],
+        "python": [py[0], torch.from_numpy(np.array(py[1], dtype=np.int64)), py[2]],   # faster than torch.tensor
         "numpy": [npst[0], torch.from_numpy(np.asarray(npst[1]).astype(np.int64)), int(npst[2]), int(npst[3]),
                   float(npst[4])],
         "torch": torch.get_rng_state()}

@@ -327,6 +327,9 @@ class Agreement:
         self._inflight = None   # (work, values) of the agreement reduced beside DDP's bucket 0
         self.hooked = False
         self.on_last_bucket: Callable[[], None] | None = None   # the straggler watch's clock
+        # Called where a step's gradient averaging begins (DDP's bucket 0, the averager's first
+        # bucket), before its all-reduce: the keeping's send (hpc_train.ckpt.local.keep).
+        self.on_sync: Callable[[], None] | None = None
 
     def attach(self, ddp_module) -> None:
         if self.multi and not self.hooked:
@@ -385,6 +388,8 @@ def _agreement_hook(state: Agreement, bucket):
         state.on_last_bucket()                     # the backward's last bucket: this rank's own time ends
     if bucket.index() != 0:
         return state.pg.allreduce([grads]).get_future().then(_first)   # a sum, as dist.all_reduce
+    if state.on_sync is not None:
+        state.on_sync()
     values = state._values(grads.device, grads.dtype)
     if grads.numel() * grads.element_size() > _CARRY_BYTES:
         # A big bucket 0 (one large parameter): a small all-reduce of its own, issued just before

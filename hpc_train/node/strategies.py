@@ -136,6 +136,8 @@ class GradAverager:
             flat = torch.cat([g.flatten() for g in grads]).div_(world)
             n = flat.numel()
             if i == 0:
+                if self.agreement.on_sync is not None:
+                    self.agreement.on_sync()
                 flat = torch.cat([flat, self.agreement._values(flat.device, flat.dtype)])
             pending.append((dist.all_reduce(flat, async_op=True), flat, grads, n, i == 0))
         for work, flat, grads, n, first in pending:

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 from helpers import show
@@ -92,6 +93,7 @@ tier_mod.LocalTier._copy_at_failure = _dies
 
 
 def _torchrun_n(cwd: Path, nproc: int, patch: str, kill_at: int = KILL_AT, **env: str):
+    import ast
     import subprocess
     import sys
     from helpers import clean_env
@@ -264,3 +266,121 @@ def test_each_rank_is_kept_by_exactly_one_other_rank(world):
     assert all(pairs[k][1] == r for r, (k, _) in enumerate(pairs))   # the keeper's source is the rank
     ring = [Ring(r, r % 2, 2, r // 2, 2, 1) for r in range(4)]        # two nodes of two: the other node
     assert [keeper_of(r, 4, ring[r]) for r in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]
+
+
+# -- the kept state's message: its own codec, never an arbitrary pickle ------------------------
+def _roundtrip(part):
+    from hpc_train.ckpt.local.keep import decode, encode, write
+    skeleton, tensors = encode(part)
+    n = 8 + len(skeleton) + sum(t.numel() * t.element_size() for t in tensors)
+    out = torch.full((n + 64,), 7, dtype=torch.uint8)     # a message is longer than its body
+    write(out, skeleton, tensors)
+    return decode(out[:n].numpy().tobytes())
+
+
+def test_a_ranks_own_state_crosses_as_it_was():
+    """The generators' states, and per-rank objects of every plain kind: tuples stay tuples, int
+    keys int keys, a view's values (not its storage), an empty tensor, bfloat16, bool."""
+    from hpc_train.ckpt.local.keep import _same
+    from hpc_train.ckpt.state import rng_state
+    wide = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    part = {"rng": rng_state(), "objects": {"loader": {"epoch": 2, 3: (1, 2.5, "x"), "view": wide[:, 1:3],
+                                                       "empty": torch.empty(0, 4), "none": None,
+                                                       "flags": torch.tensor([True, False]), "f": [1e-300]}}}
+    back = _roundtrip(part)
+    assert _same(part, back) and back["objects"]["loader"][3] == (1, 2.5, "x")
+    assert back["objects"]["loader"]["view"].shape == (3, 2) and back["rng"]["torch"].dtype == torch.uint8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=8)
+    | st.builds(lambda n, d: torch.arange(n).to(d), st.integers(0, 40),
+                st.sampled_from([torch.int64, torch.float32, torch.bfloat16, torch.uint8, torch.bool])),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=6) | st.integers(), inner, max_size=4), max_leaves=20))
+def test_any_plain_value_crosses_as_it_was(value):
+    from hpc_train.ckpt.local.keep import _same
+    assert _same(_roundtrip({"objects": value}), {"objects": value})
+
+
+class _Runs:
+    def __reduce__(self):
+        import os
+        return (os.system, ("touch /tmp/hpc_train-keep-codec-ran",))
+
+
+@pytest.mark.parametrize("damage", ["short", "skeleton longer than the body", "tensor beyond the body",
+                                    "skeleton not torch's", "pickled code"])
+def test_a_message_that_does_not_add_up_is_refused(damage):
+    """What a peer sent is checked, never trusted: each of these raises (held() says the state
+    cannot be read, and the save falls back to the tiers in one line)."""
+    import io
+    from hpc_train.ckpt.local.keep import decode, encode, write
+    from hpc_train.ckpt.state import rng_state
+    skeleton, tensors = encode({"rng": rng_state()})
+    n = 8 + len(skeleton) + sum(t.numel() * t.element_size() for t in tensors)
+    out = torch.zeros(n, dtype=torch.uint8)
+    write(out, skeleton, tensors)
+    body = out.numpy().tobytes()
+    if damage == "short":
+        body = body[:5]
+    elif damage == "skeleton longer than the body":
+        body = (len(body)).to_bytes(8, "little") + body[8:]
+    elif damage == "tensor beyond the body":
+        body = body[:-100]
+    elif damage == "skeleton not torch's":
+        body = (4).to_bytes(8, "little") + b"\x80\x02K\x01" + body[12:]
+    else:   # torch's own format around an object that would run a command when unpickled
+        buf = io.BytesIO()
+        torch.save(_Runs(), buf, _use_new_zipfile_serialization=False)
+        code = buf.getvalue()
+        body = len(code).to_bytes(8, "little") + code
+    with pytest.raises(Exception):
+        decode(body)
+    assert not Path("/tmp/hpc_train-keep-codec-ran").exists()
+
+
+SYNC_PROBE = """
+import sys
+import torch
+import torch.distributed as dist
+from hpc_train.node import strategies
+from hpc_train.node.stops import Agreement
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+events = []
+for name in ("ddp", "allreduce"):
+    torch.manual_seed(0)
+    agreement = Agreement(True, lambda: [0.0, 0.0, 0.0])
+    agreement.on_sync = lambda: events.append((name, "sync"))
+    net = strategies.wrap(torch.nn.Linear(4, 2), name, torch.device("cpu"), multi=True, local_rank=0,
+                          local_world_size=1, agreement=agreement)
+    optim = torch.optim.SGD(net.net.parameters(), lr=0.1)
+    optim.register_step_pre_hook(lambda *_: events.append((name, "step")))
+    for micro in range(3):      # two accumulated micro-batches, then the synced one
+        with (net.no_sync() if micro < 2 else torch.enable_grad()):
+            net.net(torch.randn(8, 4)).sum().backward()
+            events.append((name, "backward"))
+    optim.step()
+    agreement.collect(torch.device("cpu"))
+print(events)
+"""
+
+
+def test_the_state_goes_out_where_the_gradient_averaging_begins(tmp_path):
+    """The keeping's send rides on the agreement's hook (hpc_train.run.Run._syncing): under DDP and
+    the gradient averager it is called once per step, inside the synced backward (before its
+    all-reduce), never in an accumulated micro-batch, and before the optimizer step."""
+    import ast
+    import subprocess
+    import sys
+    from helpers import clean_env
+    script = tmp_path / "probe.py"
+    script.write_text(SYNC_PROBE)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env=clean_env(), cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == 0, show(p)
+    for name in ("ddp", "allreduce"):
+        seen = [e for n, e in ast.literal_eval(p.stdout.strip().splitlines()[-1]) if n == name]
+        assert seen == ["backward", "backward", "sync", "backward", "step"], (name, seen)

@@ -11,25 +11,30 @@ itself), its loader's position, its per-rank objects. So each rank sends that, a
 (:class:`hpc_train.ckpt.local.peer.Ring`), which survives the rank's node; on one node, the next
 rank, which survives the rank's process.
 
-When: at the rank's first ``optimizer.step()`` of a step (a step pre-hook), once the gradients
-are averaged and before any rank can have stepped; and every rank's step waits until it holds the
-state of that step of the rank it keeps (:meth:`Keeping.before_step`). So a survivor
-steps to S only once it holds the state of S of the rank it keeps: a rank that dies before
-sending it leaves its keeper at S - 1 with the state of S - 1, never at S without it. The state
-then is the step's end state in a loop that draws no random numbers and moves no loader between
-its ``optimizer.step()`` and ``step_end`` (the usual order); :meth:`Keeping.after_step` checks
-that in the first steps and now and then, and a loop that does otherwise sends the state again
-from ``step_end`` (its keeper then trusts only those: a death between the two falls back).
-Pickled on the training thread and handed to gloo's own thread, over a gloo group of its own;
-the receive for the next state is posted as soon as one arrives, and waited for by the same
-thread (a receiving Python thread would contend with training for the interpreter's lock). The values of ``state`` that are neither modules,
+When: where the step's gradient averaging begins, before its all-reduce (the agreement's hook:
+DDP's bucket 0, the averager's first bucket; :class:`hpc_train.node.stops.Agreement`), else at the
+rank's first ``optimizer.step()`` of the step (a step pre-hook); and every rank's step waits at
+that pre-hook until it holds the state of that step of the rank it keeps
+(:meth:`Keeping.before_step`). So a survivor steps to S only once it holds the state of S of the
+rank it keeps: a rank that dies before sending it leaves its keeper at S - 1 with the state of
+S - 1, never at S without it. Sent before the all-reduce, the state has normally arrived by the
+time the keeper's optimizer step asks for it: the wait is not a round trip of its own. The state then is the step's
+end state in a loop that draws no random numbers and moves no loader between its last backward
+and ``step_end`` (the usual order); :meth:`Keeping.after_step` checks that in the first steps and
+now and then, and a loop that does otherwise sends the state again from ``step_end`` (its keeper
+then trusts only those: a death between the two falls back).
+Written in a codec of its own (:func:`encode`): the tensors (most of it: the generators' states)
+as raw bytes, the rest as a small skeleton in ``torch.save``'s legacy format, into one of two
+buffers used in turn and handed to gloo; the receive for the next state is posted as soon as one
+arrives, and waited for by the training thread (a receiving Python thread would contend with
+training for the interpreter's lock). The values of ``state`` that are neither modules,
 optimizers nor per-rank objects (the step count, schedulers) are the keeper's own: the same on
 every rank.
 
 What falls back to the tiers' newest step (said in one line by the restart): a rank that dies
 together with its keeper, a loop with no optimizer in ``state``.
-The bytes received are read with ``weights_only=True`` (plain data, tensors): never an arbitrary
-pickle.
+The skeleton received is read with ``weights_only=True`` (plain data) and every tensor's place is
+checked against the message: never an arbitrary pickle.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -94,6 +100,72 @@ def take(state: Mapping[str, Any], kinds: dict[str, str], rank: int, step: int,
     return Kept(rank, step, own, app, {k: b for k, b in buffers.items() if b})
 
 
+# A state's message body: the length of its skeleton (int64), the skeleton (the state with each
+# CPU tensor replaced by a marker naming where its bytes lie, in torch.save's legacy format, which
+# torch.load reads with weights_only=True and writes in a fifth of the zip format's time), then
+# the tensors' bytes. Most of a state is its generators' tensors, copied as they are.
+_TENSOR = "\0kept tensor"   # no key of a state_dict begins with a NUL
+
+
+def _split(obj: Any, tensors: list[torch.Tensor], at: list[int]) -> Any:
+    if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided:
+        t = obj.detach().contiguous()
+        nbytes = t.numel() * t.element_size()
+        tensors.append(t)
+        at[0] += nbytes
+        return {_TENSOR: [at[0] - nbytes, nbytes, str(t.dtype).removeprefix("torch."), list(t.shape)]}
+    if type(obj) is dict:
+        return {k: _split(v, tensors, at) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_split(v, tensors, at) for v in obj)
+    return obj   # anything else as torch.save writes it
+
+
+def encode(part: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """(the skeleton's bytes, the tensors whose bytes follow it, in order)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _split(part, tensors, [0])
+    buf = io.BytesIO()
+    torch.save(skeleton, buf, _use_new_zipfile_serialization=False)
+    return buf.getvalue(), tensors
+
+
+def write(out: torch.Tensor, skeleton: bytes, tensors: list[torch.Tensor]) -> None:
+    view = out.numpy()
+    view[:8].view(np.int64)[0] = len(skeleton)
+    view[8:8 + len(skeleton)] = np.frombuffer(skeleton, dtype=np.uint8)
+    at = 8 + len(skeleton)
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            out[at:at + nbytes] = t.reshape(-1).view(torch.uint8)
+        at += nbytes
+
+
+def decode(body: bytes) -> Any:
+    """The state a message's body holds; what does not add up raises ValueError."""
+    (k,) = np.frombuffer(body[:8], dtype=np.int64).tolist() if len(body) >= 8 else (-1,)
+    if not 0 <= k <= len(body) - 8:
+        raise ValueError(f"a skeleton of {k} bytes in a body of {len(body)}")
+    data = memoryview(body)[8 + k:]
+
+    def fill(obj: Any) -> Any:
+        if type(obj) is dict and set(obj) == {_TENSOR}:
+            start, nbytes, dtype, shape = obj[_TENSOR]
+            kind = getattr(torch, str(dtype), None)
+            if not isinstance(kind, torch.dtype) or not 0 <= start <= start + nbytes <= len(data):
+                raise ValueError(f"a tensor of {nbytes} bytes at {start} of {len(data)}, dtype {dtype}")
+            raw = torch.frombuffer(bytearray(data[start:start + nbytes]), dtype=torch.uint8) if nbytes \
+                else torch.empty(0, dtype=torch.uint8)
+            return raw.view(kind).reshape(shape)
+        if type(obj) is dict:
+            return {key: fill(v) for key, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(fill(v) for v in obj)
+        return obj
+    return fill(torch.load(io.BytesIO(body[8:8 + k]), weights_only=True))
+
+
 def keeper_of(rank: int, world: int, ring: Any) -> tuple[int, int]:
     """(the rank that keeps this rank's state, the rank whose state this one keeps): along the
     local tier's ring of copies where there is one (another node), else the next rank."""
@@ -122,7 +194,8 @@ def _same(a: Any, b: Any) -> bool:
 class Keeping:
     """One rank's side: its newest own state (:class:`Kept`, for its own save at a failure), and
     the newest states received from the rank it keeps. The group is made at the first
-    :meth:`start`, at the first ``step_end`` on every rank (a collective). Training thread only."""
+    :meth:`start`, at the first ``step_end`` on every rank (a collective). The training thread
+    only, or the backward's (:meth:`send`, from DDP's hook) while the training thread waits in it."""
 
     def __init__(self, rank: int, world: int, ring: Any, timeout_s: float) -> None:
         self.rank = rank
@@ -136,7 +209,9 @@ class Keeping:
         self._fixes = False
         self._out_size = self._in_size = _SIZE
         self._pg: Any = None
-        self._sends: list[Any] = []
+        self._sends: dict[int, Any] = {}   # buffer (0, 1; 2: a GROW) -> its send in flight
+        self._out: list[torch.Tensor] = []   # the two send buffers, used in turn
+        self._turn = 0
         self._recv: tuple[Any, torch.Tensor] | None = None   # the posted receive of the source's next state
         self._source_ended = False
 
@@ -172,40 +247,60 @@ class Keeping:
         self._post()
 
     def _send(self, step: int, kind: int, part: Any) -> None:
-        """One message (after a GROW when the state outgrew the size): header and bytes in one buffer."""
-        for s in self._sends:
-            s.wait()
-        self._sends = []
-        buf = io.BytesIO(b"\0" * _HEADER)
-        buf.seek(_HEADER)
-        if part is not None:
-            torch.save(part, buf)
-        n = buf.tell() - _HEADER
+        """One message (after a GROW when the state outgrew the size): header and body written into
+        one of two buffers used in turn (the send from that buffer two messages ago has long ended)."""
+        skeleton, tensors = encode(part) if part is not None else (b"", [])
+        n = 8 + len(skeleton) + sum(t.numel() * t.element_size() for t in tensors) if part is not None else 0
         if _HEADER + n > self._out_size:
             size = max(2 * self._out_size, 1 << (_HEADER + n - 1).bit_length())
-            self._sends.append(dist.isend(self._message(step, size, GROW, b""), self.keeper, group=self._pg))
+            self._wait_sends()
+            grow = torch.zeros(self._out_size, dtype=torch.uint8)
+            grow[:_HEADER] = torch.tensor([step, size, GROW], dtype=torch.int64).view(torch.uint8)
+            self._sends[2] = dist.isend(grow, self.keeper, group=self._pg)
             self._out_size = size
-        self._sends.append(dist.isend(self._message(step, n, kind, buf.getbuffer()[_HEADER:]), self.keeper,
-                                      group=self._pg))
+            self._out = []
+        if not self._out:
+            self._out = [torch.zeros(self._out_size, dtype=torch.uint8) for _ in range(2)]
+        turn = self._turn
+        self._turn ^= 1
+        if (work := self._sends.pop(turn, None)) is not None:
+            work.wait()
+        out = self._out[turn]
+        out.numpy()[:_HEADER].view(np.int64)[:] = (step, n, kind)
+        if part is not None:
+            write(out[_HEADER:], skeleton, tensors)
+        self._sends[turn] = dist.isend(out, self.keeper, group=self._pg)
 
-    def _message(self, step: int, n: int, kind: int, body: Any) -> torch.Tensor:
-        out = torch.zeros(self._out_size, dtype=torch.uint8)
-        out[:_HEADER] = torch.tensor([step, n, kind], dtype=torch.int64).view(torch.uint8)
-        if len(body):
-            out[_HEADER:_HEADER + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-        return out
+    def _wait_sends(self) -> None:
+        for work in self._sends.values():
+            work.wait()
+        self._sends = {}
 
-    def before_step(self, state: Mapping[str, Any], kinds: dict[str, str], step: int) -> None:
-        """Before this rank's ``optimizer.step()`` of ``step``: send its state, then wait until the
-        source's state of ``step`` is here. Raises the exchange's error (a peer gone: the failure
-        path then saves the step before, which every rank still holds; a peer frozen: the hang
-        watch does, while this waits)."""
-        if self._pg is None or self.off is not None:
+    def send(self, state: Mapping[str, Any], kinds: dict[str, str], step: int) -> None:
+        """Where the step's gradient averaging begins, before its all-reduce (the agreement's hook,
+        inside the backward): send this rank's state of ``step``. A failure is kept for
+        :meth:`before_step` to raise (an exception here would surface inside DDP's hook)."""
+        if self._pg is None or self.off is not None or (self._sent is not None and self._sent[0] == step):
             return
         part = own_part(state, kinds)
         try:
             self._send(step, PRE, part)
-            self._sent = (step, part)
+        except Exception as e:  # noqa: BLE001 - raised by before_step, on the training thread
+            self.off = f"the send of step {step} to rank {self.keeper} failed ({why(e)})"
+            return
+        self._sent = (step, part)
+
+    def before_step(self, state: Mapping[str, Any], kinds: dict[str, str], step: int) -> None:
+        """Before this rank's ``optimizer.step()`` of ``step``: send its state unless :meth:`send`
+        did, then wait until the source's state of ``step`` is here. Raises the exchange's error (a
+        peer gone: the failure path then saves the step before, which every rank still holds; a
+        peer frozen: the hang watch does, while this waits)."""
+        self.send(state, kinds, step)
+        if self.off is not None and self.off.startswith("the send"):
+            raise RuntimeError(self.off)
+        if self._pg is None or self.off is not None:
+            return
+        try:
             while max(self._held, default=-1) < step and not self._source_ended:
                 self._take_one()
         except Exception as e:
@@ -246,7 +341,7 @@ class Keeping:
         if self._source_fixes and got[0] != FIX:
             return None, f"rank {self.source}'s state of step {step} was not sent again from its step_end"
         try:
-            part = torch.load(io.BytesIO(got[1]), weights_only=True)
+            part = decode(got[1])
             own = {"rng": part["rng"], "objects": part["objects"], "plain": mine.own.get("plain", {})}
         except Exception as e:  # noqa: BLE001 - bytes from a peer: refused, never trusted
             return None, f"rank {self.source}'s state of step {step} cannot be read ({why(e)})"
@@ -261,8 +356,7 @@ class Keeping:
         self.off = "closed"   # once: Run's close follows finish's
         try:
             self._send(-1, CLOSE, None)
-            for s in self._sends:
-                s.wait()
+            self._wait_sends()
             while not self._source_ended:
                 self._take_one()
         except Exception:  # noqa: BLE001 - a peer gone at the end: nothing left to keep
