@@ -131,12 +131,26 @@ class LocalItem:
 
 def numbered(parent: Path, prefix: str) -> list[tuple[int, Path]]:
     """(N, path) of ``parent``'s entries named ``PREFIX-N`` that are not symlinks; none when
-    ``parent`` cannot be listed (whatever else it holds: any name, any file type)."""
+    ``parent`` is a symlink itself or cannot be listed (whatever else it holds: any name, any
+    file type)."""
     try:
+        if parent.is_symlink():
+            return []
         return [(n, p) for p in parent.iterdir()
                 if (n := rundir.name_number(p.name, prefix)) is not None and not p.is_symlink()]
     except OSError:
         return []
+
+
+def under(node: Path, *names: str) -> Path | None:
+    """``node / names...``, or None where one of the names is a symlink: what is listed or removed
+    below a node's directory is never reached through a link (its target is someone else's)."""
+    path = node
+    for name in names:
+        path = path / name
+        if path.is_symlink():
+            return None
+    return path
 
 
 def on_node(node: Path, job: str | None = None) -> list[LocalItem]:

@@ -712,3 +712,36 @@ def test_a_parameter_that_is_not_finite_is_found_and_a_large_finite_one_is_not(b
         params = [p.clone() for p in big]
         params[i].view(-1)[-1] = float(bad) if not params[i].is_complex() else complex(float(bad), 0)
         assert not _finite(params), (bad, i)
+
+
+@pytest.mark.parametrize("linked", ["copies", "copies/rank-1"])
+def test_a_linked_copies_directory_is_never_listed_nor_removed_through(tmp_path, linked):
+    """The copies' directory, or one rank's in it, is a link to someone else's directory holding
+    what looks like a newer copy: a restore to an older step (which removes newer copies) and the
+    run's end (which removes the copies) leave the link's target whole, with or without peers."""
+    from hpc_train.ckpt.local.peer import Peers, Ring
+    for peers in (False, True):
+        node = tmp_path / f"peers-{peers}" / "node0"
+        elsewhere = tmp_path / f"elsewhere-{peers}"
+        target = elsewhere / "rank-1" if linked == "copies" else elsewhere
+        (target / "step-9").mkdir(parents=True)
+        (target / "step-9" / "keep.txt").write_text("not the tier's")
+        (node / linked).parent.mkdir(parents=True, exist_ok=True)
+        (node / linked).symlink_to(elsewhere, target_is_directory=True)
+        if peers:
+            p = Peers(Ring(0, 0, 1, 0, 2, 1), node, 10.0)
+            assert p.ring.source(1) == 1
+            p.restored(3)
+            p.remove()
+        else:
+            from hpc_train import config as config_mod
+            from hpc_train.ckpt.local.tier import LocalTier
+            base, run_dir = tmp_path / "shm", tmp_path / "run"
+            base.mkdir(exist_ok=True)
+            run_dir.mkdir(exist_ok=True)
+            cfg = config_mod.load(None, [f"checkpoint.local_dir={base}", "checkpoint.local_every_steps=1"])
+            tier = LocalTier(cfg.checkpoint, cfg.dist, run_dir, 0, 2, node=node)
+            assert tier._kept_copies() is None      # rank 1 is the one it keeps: a link stands there
+            tier.restored(3)
+            tier.close(remove=True)
+        assert (target / "step-9" / "keep.txt").read_text() == "not the tier's", (linked, peers)

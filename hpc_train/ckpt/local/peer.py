@@ -35,9 +35,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpc_train import rundir
-from hpc_train.ckpt import store
+from hpc_train.ckpt import store, tiers
 from hpc_train.ckpt.local.wire import Outgoing, swap
+from hpc_train import config_local
 from hpc_train.config_local import COPIES
 
 log = logging.getLogger("hpc_train")
@@ -92,8 +92,14 @@ class Peers:
             self._pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         return self._pg
 
-    def copies_dir(self, rank: int) -> Path:
-        return self.node / COPIES / f"rank-{rank}"
+    def copies_dir(self, rank: int) -> Path | None:
+        """Where rank ``rank``'s copies are received: made this user's alone, or None where
+        something else stands there (a link: never written through; the copy is then dropped)."""
+        parent = self.node / COPIES / f"rank-{rank}"
+        try:
+            return None if config_local.private_dirs(self.node / COPIES, parent) else parent
+        except OSError:
+            return None
 
     def exchange(self, path: Path | None, step: int, keep: int, receive: bool) -> list[Path]:
         """Send this rank's item of ``step`` (None: nothing) to each buddy and take in the items
@@ -114,7 +120,7 @@ class Peers:
                     where = None
                 if where is not None:
                     got.append(where)
-                    self._prune(self.copies_dir(src), keep)
+                    self._prune(where.parent, keep)
             if not self.stats:   # once per run and rank: what a copy costs (on the writer thread)
                 log.info("local checkpoint copies: step %d sent to rank %d (%.1f MB) and rank %d's received, "
                          "%.3fs in the background", step, self.ring.buddy(d), (out.nbytes if out else 0) / 1e6, src,
@@ -124,8 +130,7 @@ class Peers:
         return got
 
     def _prune(self, parent: Path, keep: int) -> None:
-        items = sorted((store.inspect(p) for p in parent.iterdir()
-                        if store.step_of(p.name) is not None), key=lambda i: -i.step)
+        items = sorted((store.inspect(p) for _, p in tiers.numbered(parent, "step-")), key=lambda i: -i.step)
         complete = [i for i in items if i.complete]
         newest = complete[0].step if complete else -1
         keep_steps = {i.step for i in complete[:keep]}
@@ -165,11 +170,10 @@ class Peers:
     def restored(self, step: int) -> None:
         """Copies newer than the step restored are a future the run goes back from."""
         for s in (self.ring.source(d) for d in range(1, self.ring.replicas + 1)):
-            parent = self.copies_dir(s)
-            if parent.is_dir():
-                for p in parent.iterdir():
-                    if (n := store.step_of(p.name)) is not None and n > step:
-                        shutil.rmtree(p, ignore_errors=True)
+            parent = tiers.under(self.node, COPIES, f"rank-{s}")
+            for n, p in tiers.numbered(parent, "step-") if parent is not None else []:
+                if n > step:
+                    shutil.rmtree(p, ignore_errors=True)
 
     def remove(self) -> None:
         """At the run's end: this rank's copies, and what no rank now on this node owns (the items
@@ -178,15 +182,12 @@ class Peers:
         here = {r.node * r.per_node + k for k in range(r.per_node)}
         sources = {((r.node - d) % r.nodes) * r.per_node + k for d in range(1, r.replicas + 1) for k in range(r.per_node)}
         for d in range(1, r.replicas + 1):
-            shutil.rmtree(self.copies_dir(r.source(d)), ignore_errors=True)
+            if (mine := tiers.under(self.node, COPIES, f"rank-{r.source(d)}")) is not None:
+                shutil.rmtree(mine, ignore_errors=True)
         for parent, owned in ((self.node, here), (self.node / COPIES, sources)):
-            try:
-                stale = [p for p in parent.iterdir() if (n := rundir.name_number(p.name, "rank-")) is not None
-                         and n not in owned]
-            except OSError:
-                continue
-            for p in stale:
-                shutil.rmtree(p, ignore_errors=True)
+            for n, p in tiers.numbered(parent, "rank-"):
+                if n not in owned:
+                    shutil.rmtree(p, ignore_errors=True)
         try:
             (self.node / COPIES).rmdir()
         except OSError:

@@ -471,8 +471,8 @@ class LocalTier:
         self._kept = None   # read again at the next save: the restore may have fetched an item here
         if self.peers is not None:
             self.peers.restored(step)
-        else:   # a copy saved at a failure on this node (keep.py's keeper is the next rank here)
-            for s, p in tiers.numbered(self._kept_copies(), "step-"):
+        elif (kept := self._kept_copies()) is not None:   # a copy saved at a failure on this node
+            for s, p in tiers.numbered(kept, "step-"):
                 if s > step:
                     shutil.rmtree(p, ignore_errors=True)
         self.last_t, self.last_step = time.monotonic(), step
@@ -496,13 +496,14 @@ class LocalTier:
             shutil.rmtree(self.dir, ignore_errors=True)
             if self.peers is not None:
                 self.peers.remove()
-            else:
-                shutil.rmtree(self._kept_copies(), ignore_errors=True)
+            elif (kept := self._kept_copies()) is not None:
+                shutil.rmtree(kept, ignore_errors=True)
                 with contextlib.suppress(OSError):
                     (self.node / config_local.COPIES).rmdir()
             config_local.remove_empty(self.node)
 
-    def _kept_copies(self) -> Path:
-        """Where this rank saves, at a failure, the item of the rank whose state it keeps."""
+    def _kept_copies(self) -> Path | None:
+        """Where this rank saves, at a failure, the item of the rank whose state it keeps; None
+        where a link stands in its way (never written, listed or removed through)."""
         source = keeper_of(self.rank, self.world, self.peers.ring if self.peers is not None else None)[1]
-        return self.node / config_local.COPIES / f"rank-{source}"
+        return tiers.under(self.node, config_local.COPIES, f"rank-{source}")
