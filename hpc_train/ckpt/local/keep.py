@@ -214,6 +214,7 @@ class Keeping:
         self._turn = 0
         self._recv: tuple[Any, torch.Tensor] | None = None   # the posted receive of the source's next state
         self._source_ended = False
+        self._failed: RuntimeError | None = None   # the send's error, raised by before_step
 
     def start(self) -> None:
         """At every ``step_end``; the first makes the group and posts the first receive."""
@@ -287,6 +288,8 @@ class Keeping:
             self._send(step, PRE, part)
         except Exception as e:  # noqa: BLE001 - raised by before_step, on the training thread
             self.off = f"the send of step {step} to rank {self.keeper} failed ({why(e)})"
+            self._failed = RuntimeError(self.off)
+            self._failed.__cause__ = e
             return
         self._sent = (step, part)
 
@@ -296,8 +299,8 @@ class Keeping:
         peer gone: the failure path then saves the step before, which every rank still holds; a
         peer frozen: the hang watch does, while this waits)."""
         self.send(state, kinds, step)
-        if self.off is not None and self.off.startswith("the send"):
-            raise RuntimeError(self.off)
+        if self._failed is not None:
+            raise self._failed
         if self._pg is None or self.off is not None:
             return
         try:
