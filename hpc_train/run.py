@@ -213,6 +213,8 @@ class Run:
             self._local = LocalTier(self.config.checkpoint, self.config.dist, self.run_dir, self.rank, self.world_size,
                                     self.checkpoint_record, env=self.env)
             self._keeping, self._no_keeping = self._keeping_for(self._local)
+            if self._keeping is not None:
+                self._agreement.on_sync = self._syncing
         return self._local
 
     def _keeping_for(self, local):
@@ -376,16 +378,22 @@ class Run:
         self._keeping.start()
         self._keeping.after_step(state, kinds, step)
         self._keeping.mine = take(state, kinds, self.rank, step, self._keeping.sent(step))
-        self._agreement.on_sync = self._syncing
         self._moved = False
 
     def _syncing(self) -> None:
         """Where the step's gradient averaging begins (the agreement's hook): this rank's own
         state goes out before the all-reduce, so the kept rank's is here by the time the
         optimizer step waits for it (:meth:`hpc_train.ckpt.local.keep.Keeping.send`)."""
-        if not self._moved and self._keeping is not None and self._last_state is not None \
-                and self._prev_step is not None:
-            self._keeping.send(self._last_state, self._kinds(self._last_state), self._prev_step + 1)
+        if (now := self._unstepped()) is not None:
+            keeping, state, step = now
+            keeping.send(state, self._kinds(state), step)
+
+    def _unstepped(self) -> tuple[Any, Mapping[str, Any], int] | None:
+        """(the keeping, the state, the step in flight) while no optimizer step of it has run,
+        once a step has ended; else None."""
+        if self._moved or self._keeping is None or self._last_state is None or self._prev_step is None:
+            return None
+        return self._keeping, self._last_state, self._prev_step + 1
 
     def _stepping(self, *_: Any) -> None:
         """An optimizer's step pre-hook: the first of a step waits for the kept rank's state
@@ -393,9 +401,9 @@ class Run:
         :meth:`hpc_train.ckpt.local.keep.Keeping.before_step`)."""
         if self._failing.is_set():
             self._hold()
-        if not self._moved and self._keeping is not None and self._last_state is not None \
-                and self._prev_step is not None:
-            self._keeping.before_step(self._last_state, self._kinds(self._last_state), self._prev_step + 1)
+        if (now := self._unstepped()) is not None:
+            keeping, state, step = now
+            keeping.before_step(state, self._kinds(state), step)
         self._moved = True
 
     @staticmethod

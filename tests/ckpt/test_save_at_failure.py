@@ -270,9 +270,9 @@ def test_each_rank_is_kept_by_exactly_one_other_rank(world):
 
 # -- the kept state's message: its own codec, never an arbitrary pickle ------------------------
 def _roundtrip(part):
-    from hpc_train.ckpt.local.keep import decode, encode, write
+    from hpc_train.ckpt.local.keep import body_size, decode, encode, write
     skeleton, tensors = encode(part)
-    n = 8 + len(skeleton) + sum(t.numel() * t.element_size() for t in tensors)
+    n = body_size(skeleton, tensors)
     out = torch.full((n + 64,), 7, dtype=torch.uint8)     # a message is longer than its body
     write(out, skeleton, tensors)
     return decode(out[:n].numpy().tobytes())
@@ -316,10 +316,10 @@ def test_a_message_that_does_not_add_up_is_refused(damage):
     """What a peer sent is checked, never trusted: each of these raises (held() says the state
     cannot be read, and the save falls back to the tiers in one line)."""
     import io
-    from hpc_train.ckpt.local.keep import decode, encode, write
+    from hpc_train.ckpt.local.keep import body_size, decode, encode, write
     from hpc_train.ckpt.state import rng_state
     skeleton, tensors = encode({"rng": rng_state()})
-    n = 8 + len(skeleton) + sum(t.numel() * t.element_size() for t in tensors)
+    n = body_size(skeleton, tensors)
     out = torch.zeros(n, dtype=torch.uint8)
     write(out, skeleton, tensors)
     body = out.numpy().tobytes()

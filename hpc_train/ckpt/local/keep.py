@@ -130,6 +130,11 @@ def encode(part: Any) -> tuple[bytes, list[torch.Tensor]]:
     return buf.getvalue(), tensors
 
 
+def body_size(skeleton: bytes, tensors: list[torch.Tensor]) -> int:
+    """The body's bytes: its skeleton's length, the skeleton, the tensors'."""
+    return 8 + len(skeleton) + sum(t.numel() * t.element_size() for t in tensors)
+
+
 def write(out: torch.Tensor, skeleton: bytes, tensors: list[torch.Tensor]) -> None:
     view = out.numpy()
     view[:8].view(np.int64)[0] = len(skeleton)
@@ -251,7 +256,7 @@ class Keeping:
         """One message (after a GROW when the state outgrew the size): header and body written into
         one of two buffers used in turn (the send from that buffer two messages ago has long ended)."""
         skeleton, tensors = encode(part) if part is not None else (b"", [])
-        n = 8 + len(skeleton) + sum(t.numel() * t.element_size() for t in tensors) if part is not None else 0
+        n = body_size(skeleton, tensors) if part is not None else 0
         if _HEADER + n > self._out_size:
             size = max(2 * self._out_size, 1 << (_HEADER + n - 1).bit_length())
             self._wait_sends()
