@@ -401,6 +401,7 @@ def _agreement_hook(state: Agreement, bucket):
     flat = torch.cat([grads, values])              # the values are summed, not averaged
 
     def unpack(fut):
+        _keep_thread_state()
         # value() raises when the all-reduce failed (a peer left: gloo's "connection closed by
         # peer"): the step fails, rather than train on with this rank's own, un-averaged gradients.
         fut.value()
@@ -411,8 +412,28 @@ def _agreement_hook(state: Agreement, bucket):
 
 
 def _first(fut):
+    _keep_thread_state()
     # A Python comm hook's future must hold a Python object (DDP asserts it): the bucket tensor.
     return fut.value()[0]
+
+
+_KEPT_STATES: set[int] = set()
+
+
+def _keep_thread_state() -> None:
+    """Give the communication thread that runs the hook's callbacks a Python thread state it keeps.
+
+    Hazard: a callback on a thread Python did not start (gloo's work loop) makes a thread state
+    on entry and drops it after, and making one takes CPython's runtime lock without the GIL. A
+    fork at that moment (a data loader starting its workers at an epoch's start) leaves the child
+    blocked on that lock for ever, before it runs a line (CPython gh-112275; fixed in 3.11.10 and
+    3.12, and a cluster's Python may be older). A thread that keeps its state never makes one
+    again. PyTorch keeps one on its autograd threads for the same reason (and the cost)."""
+    ident = threading.get_ident()
+    if ident not in _KEPT_STATES:          # called with the GIL held: no other thread races here
+        _KEPT_STATES.add(ident)
+        import ctypes
+        ctypes.pythonapi.PyGILState_Ensure()   # never released: the count stays above zero
 
 
 def agree_signal(stop: StopRequest, multi: bool, device: Any) -> None:

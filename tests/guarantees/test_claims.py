@@ -71,6 +71,12 @@ def test_agreement_hook_leaves_weights_bitwise_those_of_plain_ddp(tmp_path):
             assert [s[2:] for s in res["sums"]] == [[3.0, 2.0 * i] for i in range(6)], res["sums"]
             # Both of the hook's paths ran: inside bucket 0's all-reduce, and beside a bucket 0 over 1 MiB.
             assert res["carried"] == [kind == "small"] * 6, (kind, res["carried"])
+            # gloo's work thread, which runs the hook's callbacks, keeps one Python thread state
+            # from its first callback on: no step drops a state, and one state is not of a Python
+            # thread. One made per callback hangs a fork (a loader's workers) that lands on it.
+            states = res["states"]
+            assert all(set(a[0]) <= set(b[0]) for a, b in zip(states, states[1:])), states
+            assert len(states[-1][0]) > states[-1][1], (rank, kind, states)
 
 
 # -- run.request_stop() ---------------------------------------------------------------------

@@ -5,6 +5,11 @@ writes whether the two state dicts are bitwise equal, and what the agreement sum
 ``OUT/rank-R.json``, for two models (below). Used by tests/guarantees/test_claims.py:
 ``python tests/scripts/ddp_agreement_probe.py OUT``.
 
+Each rank also writes, after each hooked step, the ids of its interpreter's thread states and
+its count of Python threads: the hook's callbacks run on gloo's work thread, which must keep one
+thread state rather than make one per callback (``stops._keep_thread_state``: a fork while one is
+made leaves the child hung).
+
 ``small``: bucket 0 is under 1 MiB, so the agreement's values ride inside its all-reduce (the
 hook concatenates them to the gradients). ``big``: one parameter over 1 MiB fills bucket 0, so
 the values get a small all-reduce of their own beside it.
@@ -34,7 +39,24 @@ def _net(kind: str) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def _train(model: nn.Module, rank: int, agreement=None) -> tuple[list[list[float]], list[bool]]:
+def _thread_states() -> list[int]:
+    """The ids of this interpreter's thread states, by the C API's walk (read between steps,
+    when no callback runs)."""
+    import ctypes
+    api = ctypes.pythonapi
+    api.PyInterpreterState_Get.restype = ctypes.c_void_p
+    api.PyInterpreterState_ThreadHead.restype = api.PyThreadState_Next.restype = ctypes.c_void_p
+    api.PyInterpreterState_ThreadHead.argtypes = api.PyThreadState_Next.argtypes = [ctypes.c_void_p]
+    api.PyThreadState_GetID.restype, api.PyThreadState_GetID.argtypes = ctypes.c_uint64, [ctypes.c_void_p]
+    ids, state = [], api.PyInterpreterState_ThreadHead(api.PyInterpreterState_Get())
+    while state:
+        ids.append(api.PyThreadState_GetID(state))
+        state = api.PyThreadState_Next(state)
+    return sorted(ids)
+
+
+def _train(model: nn.Module, rank: int, agreement=None, states=None) -> tuple[list[list[float]], list[bool]]:
+    import threading
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(100 + rank)      # each rank its own data: averaging matters
     sums, carried = [], []
@@ -50,6 +72,8 @@ def _train(model: nn.Module, rank: int, agreement=None) -> tuple[list[list[float
             # (work, values) set by the hook during backward; no work: the values rode in bucket 0.
             carried.append(agreement._inflight is not None and agreement._inflight[0] is None)
             sums.append(agreement.collect(torch.device("cpu")).tolist())
+        if states is not None:
+            states.append((_thread_states(), threading.active_count()))
     return sums, carried
 
 
@@ -71,13 +95,15 @@ def _compare(kind: str, rank: int) -> dict:
     plain = DDP(_net(kind))
     init_equal = all(torch.equal(a, b) for a, b in zip(hooked.state_dict().values(), plain.state_dict().values()))
     before = {k: v.clone() for k, v in plain.state_dict().items()}
-    sums, carried = _train(hooked, rank, agreement)
+    states: list = []
+    sums, carried = _train(hooked, rank, agreement, states)
     _train(plain, rank)
     a, b = hooked.module.state_dict(), plain.module.state_dict()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     changed = [k for k, v in plain.state_dict().items() if not torch.equal(v, before[k])]
     return {"hooked": agreement.hooked, "init_equal": init_equal, "differ": differ, "keys": sorted(a),
-            "changed_by_training": changed, "sums": sums, "carried": carried}
+            "changed_by_training": changed, "sums": sums, "carried": carried,
+            "states": states}
 
 
 def main() -> None:
