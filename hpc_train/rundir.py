@@ -296,6 +296,13 @@ def name_number(name: str, prefix: str, suffix: str = "") -> int | None:
     return int(digits) if _NAME_NUMBER.fullmatch(digits) else None
 
 
+def decimal(raw: str, digits: int = 18) -> int | None:
+    """A count as a program, Slurm or the kernel writes it (an environment variable, a field of
+    sacct's, a cgroup file): ASCII digits only, at most ``digits`` of them, else None. Every reader
+    of such a number parses it here: ``str.isdigit()`` is true for '²', which ``int()`` refuses."""
+    return int(raw) if 0 < len(raw) <= digits and raw.isascii() and raw.isdigit() else None
+
+
 def damaged_name(path: Path) -> Path:
     """A free ``NAME.damaged-<time>[-n]`` beside ``path``, for what is set aside from it."""
     import time

@@ -152,7 +152,7 @@ def _local_allowed(spec: str, requeued: bool) -> bool:
     where the hook may still name the PATH the job started from). Never ``none``, nor a PATH
     asked for at the start: local items are then older work that the request goes back from."""
     attempt = os.environ.get(rundir.ATTEMPT_ENV, "")
-    return spec == "latest" or requeued or (attempt.isdigit() and int(attempt) > 1)
+    return spec == "latest" or requeued or (rundir.decimal(attempt) or 0) > 1
 
 
 def _from_local(state: dict[str, Any], local, floor: int, rank: int, world_size: int,

@@ -7,19 +7,20 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_train import config_local, rundir
 from hpc_train.ckpt import store, tiers
 from hpc_train.errors import UsageError
 
+if TYPE_CHECKING:
+    from hpc_train.records.keeper import Keeper
 
-def _kept(run_dir: Path) -> int | None:
-    """``ckpt list`` of a run whose framework keeps its checkpoints (``keeper.json``: a Trainer's
-    output_dir): those, newest last, each complete or why not. None when there is no keeper."""
+
+def _kept(keeper: Keeper) -> int:
+    """``ckpt list`` of a run whose framework keeps its checkpoints (``keeper.json``, read by
+    :func:`_run_dir`: a Trainer's output_dir): those, newest last, each complete or why not."""
     from hpc_train.records import keeper as keeper_record
-    keeper, _problem = keeper_record.read(run_dir)
-    if keeper is None:
-        return None
     kept = keeper_record.trainer_checkpoints(keeper)
     print(f"the Trainer's checkpoints in {keeper.directory} (hpc_train keeps none for this run; a rerun "
           f"resumes from the newest complete one):")
@@ -30,28 +31,31 @@ def _kept(run_dir: Path) -> int | None:
     return 0
 
 
-def _run_dir(arg: str, local_too: bool = False, kept_too: bool = False) -> Path:
-    """The run directory of a ``ckpt`` command; ``local_too``: one whose only checkpoints are
+def _run_dir(arg: str, local_too: bool = False, kept_too: bool = False) -> tuple[Path, Keeper | None]:
+    """The run directory of a ``ckpt`` command, and its keeper (``keeper.json``) when that is
+    where its checkpoints are, else None; ``local_too``: one whose only checkpoints are
     node-local items (``ckpt list``) is one too; ``kept_too``: so is one whose framework keeps
-    them (``keeper.json``)."""
+    them, and then the keeper, read once here, is what ``ckpt list`` shows."""
     p = Path(arg)
     if not p.is_dir():
         raise UsageError(f"ckpt: {p} is not a directory (give a run directory, e.g. runs/digits)")
-    if not store.ckpt_root(p).is_dir() and not (local_too and _local_view(p)[0]):
-        from hpc_train import config
-        from hpc_train.records import keeper as keeper_record
-        keeper = keeper_record.read(p)[0]
-        if keeper is not None:
-            if kept_too:
-                return p
-            raise UsageError(f"ckpt: {p} has no hpc_train checkpoints: its Trainer keeps them in {keeper.directory} "
-                             f"(`ckpt list` shows them)")
-        if config.runs_own_code(p):
-            raise UsageError(f"ckpt: {p} has no hpc_train checkpoints (no checkpoints/ directory): hpc_train saves "
-                             f"here only for code that calls hpc_train.init(); a script's own checkpoints are "
-                             f"wherever it writes them")
-        raise UsageError(f"ckpt: {p} has no checkpoints/ directory")
-    return p
+    if store.ckpt_root(p).is_dir():
+        return p, None
+    from hpc_train.records import keeper as keeper_record
+    keeper = keeper_record.read(p)[0]
+    if keeper is not None and kept_too:
+        return p, keeper
+    if local_too and _local_view(p)[0]:
+        return p, None
+    if keeper is not None:
+        raise UsageError(f"ckpt: {p} has no hpc_train checkpoints: its Trainer keeps them in {keeper.directory} "
+                         f"(`ckpt list` shows them)")
+    from hpc_train import config
+    if config.runs_own_code(p):
+        raise UsageError(f"ckpt: {p} has no hpc_train checkpoints (no checkpoints/ directory): hpc_train saves "
+                         f"here only for code that calls hpc_train.init(); a script's own checkpoints are "
+                         f"wherever it writes them")
+    raise UsageError(f"ckpt: {p} has no checkpoints/ directory")
 
 
 def _du(root: Path) -> int:
@@ -75,11 +79,9 @@ def _keep_skipped(run_dir: Path) -> int:
         return config.CheckpointSection().keep_skipped
 
 
-def cmd_list(run_dir: Path) -> int:
-    if not store.ckpt_root(run_dir).is_dir():
-        kept = _kept(run_dir)
-        if kept is not None:
-            return kept
+def cmd_list(run_dir: Path, keeper: Keeper | None = None) -> int:
+    if keeper is not None:
+        return _kept(keeper)
     keep_skipped = _keep_skipped(run_dir)
     infos = store.scan(run_dir)
     print(f"{'step':>8}  {'saved at':19}  {'size':>10}  {'world':>5}  status")
@@ -256,10 +258,10 @@ def cmd_export(run_dir: Path, out: str, step: int | None, force: bool = False, k
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    run_dir = _run_dir(args.run_dir, local_too=args.ckpt_command in ("list", "verify"),
-                       kept_too=args.ckpt_command == "list")
+    run_dir, keeper = _run_dir(args.run_dir, local_too=args.ckpt_command in ("list", "verify"),
+                               kept_too=args.ckpt_command == "list")
     if args.ckpt_command == "list":
-        return cmd_list(run_dir)
+        return cmd_list(run_dir, keeper)
     if args.ckpt_command == "verify":
         return cmd_verify(run_dir)
     return cmd_export(run_dir, args.out, args.step, getattr(args, "force", False), getattr(args, "key", None))

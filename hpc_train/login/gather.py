@@ -37,8 +37,8 @@ def target(env: Mapping[str, str]) -> str:
 
 
 def _int(env: Mapping[str, str], key: str, default: int = 0) -> int:
-    raw = env.get(key, "")
-    return int(raw) if raw.isdigit() and len(raw) <= 18 else default
+    n = rundir.decimal(env.get(key, ""))
+    return default if n is None else n
 
 
 def _job(path: Path) -> tuple[JobSection, bool, float, Config | None, str]:

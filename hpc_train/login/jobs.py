@@ -34,7 +34,7 @@ def _resolve(target: str | None) -> list[tuple[Path | None, list[str]]]:
     p = Path(target)
     if p.is_dir():
         return [(p, _job_ids(p))]
-    if target.replace("_", "").isdigit():
+    if rundir.decimal(target.replace("_", "")) is not None:
         for rec in Path("runs").glob("*/job.json"):
             if target in scheduler.job_ids(rec.parent):
                 return [(rec.parent, [target])]
@@ -52,7 +52,7 @@ def _job_ids(run_dir: Path) -> list[str]:
     from hpc_train.records import ranks
     rec, _ = ranks.read(run_dir, 0)
     job = rec.job if rec is not None else ""
-    return [job] if job.isdigit() and len(job) <= 12 else []
+    return [job] if rundir.decimal(job, 12) is not None else []
 
 
 def _budget_line(run_dir: Path, unread: list[str]) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hpc_train import nodelist as nodelist_mod
-from hpc_train import slurm
+from hpc_train import rundir, slurm
 from hpc_train.config import JobSection, time_minutes
 from hpc_train.errors import UsageError
 
@@ -123,8 +123,7 @@ def parse_runs(text: str, restart: int | None = None) -> tuple[PastRun, ...]:
         rows = rows[max(0, len(rows) - keep):] if keep > 0 else []
 
     def num(s: str) -> int | None:
-        s = s.strip()
-        return int(s) if s.isdigit() and len(s) <= 12 else None
+        return rundir.decimal(s.strip(), 12)
 
     def when(s: str) -> float | None:
         try:

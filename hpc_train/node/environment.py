@@ -142,9 +142,8 @@ def derive_port(env: Mapping[str, str], job_id: str | None) -> int:
                 raise UsageError(f"environment: SLURM_STEP_RESV_PORTS={show(resv)} does not start with a port "
                                  f"(1-65535); Slurm writes e.g. 12000-12003")
             return int(m.group(1))
-    # isdigit() is true for '²', which int() refuses; very long ids would hit int()'s digit limit.
-    if job_id and re.fullmatch(r"[0-9]{1,18}", job_id):
-        return PORT_BASE + int(job_id) % PORT_SPAN
+    if (number := rundir.decimal(job_id or "")) is not None:
+        return PORT_BASE + number % PORT_SPAN
     if job_id:  # non-numeric ids (never seen from Slurm, but be total)
         return PORT_BASE + sum(map(ord, job_id)) * 7919 % PORT_SPAN
     return 29500

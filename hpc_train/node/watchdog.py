@@ -380,8 +380,9 @@ def _cgroup_memory_limit() -> int | None:
                 raw = (d / name).read_text().strip()
             except OSError:
                 continue
-            if raw.isdigit() and int(raw) < 1 << 60:   # "max", or v1's near-2^63 "unlimited"
-                return int(raw)
+            n = rundir.decimal(raw)
+            if n is not None and n < 1 << 60:   # "max", or v1's near-2^63 "unlimited"
+                return n
             break
     return None
 

@@ -60,7 +60,7 @@ class StepId:
 
 
 def _int(raw: str | None) -> int:
-    return int(raw) if raw and raw.isdigit() and len(raw) < 10 else 0
+    return rundir.decimal(raw or "", 9) or 0
 
 
 @dataclass(frozen=True)

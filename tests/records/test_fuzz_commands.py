@@ -83,6 +83,9 @@ REPLY = st.one_of(st.just(slurm.Reply(None, "squeue failed: timeout")), st.text(
 
 def _damage(rd: Path, place: str, damage: bytes | str, outside: Path) -> None:
     f = rd / place
+    above = [rd / up for up in Path(place).parents if up != Path(".")]
+    if any(a.is_symlink() or (a.exists() and not a.is_dir()) for a in above):
+        return   # an earlier draw made a place above this one a file, a link or a FIFO: nothing below it
     if f.is_symlink() or f.is_file():
         f.unlink()
     elif f.is_dir():

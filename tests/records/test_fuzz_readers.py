@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from damage import CONTENT, RECORDS, SPECIAL, VALUES, make_special, within
 from hypothesis import strategies as st
 
@@ -139,6 +139,7 @@ def test_a_reader_takes_a_special_file_in_its_record_s_place(tmp_path, name, kin
 
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=400), st.none() | st.integers(0, 5))
+@example("|¹", None)   # isdigit() is true for '¹', which int() refuses
 def test_sacct_s_output_of_any_text_parses(text, restart):
     runs = nodes.parse_runs(text, restart)
     assert [r.restart for r in runs] == list(range(len(runs)))
@@ -152,6 +153,25 @@ def test_sacct_s_output_of_any_text_parses(text, restart):
 def test_a_step_name_is_parsed_one_way_as_its_writer_spells_it(name, number):
     from hpc_train.ckpt import store
     assert rundir.name_number(name, "step-") == number == store.step_of(name)
+
+
+@pytest.mark.parametrize("raw, digits, number", [
+    ("7", 18, 7), ("0", 18, 0), ("00012", 18, 12), ("9" * 18, 18, 10**18 - 1), ("9" * 19, 18, None),
+    ("1234567890", 9, None), ("", 18, None), ("¹", 18, None), ("1²", 18, None), ("٣", 18, None),
+    ("５", 18, None), (" 4", 18, None), ("4\n", 18, None), ("-1", 18, None), ("+1", 18, None), ("1_000", 18, None),
+    ("1e3", 18, None), ("max", 18, None),
+])
+def test_a_number_from_the_environment_slurm_or_the_kernel_is_ascii_digits_or_none(raw, digits, number):
+    """sacct's '|¹' passed str.isdigit() and crashed int() in nodes.parse_runs (found by the fuzz
+    above); every such reader now parses through rundir.decimal."""
+    assert rundir.decimal(raw, digits) == number
+
+
+@given(st.text(max_size=30), st.integers(1, 20))
+def test_decimal_is_int_of_ascii_digits_or_none(raw, digits):
+    n = rundir.decimal(raw, digits)
+    ascii_digits = 0 < len(raw) <= digits and all(c in "0123456789" for c in raw)
+    assert (n is not None) == ascii_digits and (n is None or n == int(raw))
 
 
 def test_a_rank_name_with_a_non_ascii_digit_is_no_rank(tmp_path):
