@@ -85,10 +85,6 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=resume)
     if args.weights and targs.process_index == 0:
         torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}, args.weights)
-    # What PyTorch asks of every script: a process that exits with its gloo group alive can abort in
-    # the interpreter's teardown ("terminate called without an active exception", pytorch#190489).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
