@@ -106,8 +106,9 @@ def socket_inodes(pids: Iterable[int]) -> set[int]:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-            if target.startswith("socket:[") and target[8:-1].isdigit():
-                inodes.add(int(target[8:-1]))
+            # an inode is a 64-bit count: up to 20 digits
+            if target.startswith("socket:[") and (inode := rundir.decimal(target[8:-1], 20)) is not None:
+                inodes.add(inode)
     return inodes
 
 
